@@ -1,0 +1,77 @@
+"""EngineConfig: the frozen, validated settings of one engine instance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+class ConfigError(ValueError):
+    """An engine option has a value that cannot be used; the message names the option."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine options (the `model:` section of a job file beyond path and dtype).
+
+    Args:
+        model: path to a Hugging Face model directory.
+        dtype: "auto" (the checkpoint's torch_dtype; float32 on CPU), "bfloat16", "float16",
+            "float32".
+        device: "auto" (cuda if present, else cpu), "cuda", "cuda:N" or "cpu".
+        block_size: tokens per KV-cache block.
+        num_kv_blocks: fixed number of KV blocks; None sizes the cache from memory.
+        gpu_memory_utilization: fraction of GPU memory the engine may use (weights,
+            activations and KV cache together).
+        cpu_kv_cache_gb: KV-cache size on CPU when num_kv_blocks is None.
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: most tokens (prefill + decode) in one step.
+        max_model_len: longest prompt + output; None takes the model's own limit.
+        enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
+        enforce_eager: never use CUDA graphs.
+        allow_pickle: permit pickle `.bin` checkpoints (loaded with weights_only=True).
+        seed: seeds weight-free randomness (the draw of seeds for requests without one).
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.90
+    cpu_kv_cache_gb: float = 1.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    allow_pickle: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ConfigError(
+                f"dtype={self.dtype!r}: expected one of auto, bfloat16, float16, float32"
+            )
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size={self.block_size}: must be a power of two")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks={self.num_kv_blocks}: must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]"
+            )
+        if self.cpu_kv_cache_gb <= 0:
+            raise ConfigError(f"cpu_kv_cache_gb={self.cpu_kv_cache_gb}: must be > 0")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 2")
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """Names accepted as engine options (job file `model:` keys and LLM kwargs)."""
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,274 @@
+"""LLMEngine: the streaming interface — add requests, step, collect finished outputs."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from batchgen.config import EngineConfig
+from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.detokenizer import StopStringChecker
+from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.request import Request, ScoreAccumulator, sample_seed
+from batchgen.engine.sampler import SamplingBatch
+from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.sequence import Sequence
+from batchgen.engine.stats import EngineStats
+from batchgen.models.config import ModelConfig
+from batchgen.models.tokenizer import Tokenizer
+from batchgen.outputs import RequestOutput
+from batchgen.sampling_params import SamplingParams
+
+_SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+class LLMEngine:
+    """Continuous-batching generator over a paged KV cache.
+
+    Requests go in with `add_request` / `add_score_request`; each `step` runs one batch and
+    returns the requests that finished in it. A request that cannot be served comes back as an
+    error output from the next step; it never raises and never disturbs the others.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer or Tokenizer.from_dir(config.model)
+        self.model_config = (
+            runner.model_config if runner is not None else ModelConfig.from_dir(config.model)
+        )
+        mc = self.model_config
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        self.runner = runner or ModelRunner(config, mc, self.max_model_len)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
+        self.block_manager = BlockManager(
+            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+        )
+        self.stats = EngineStats()
+        self._seq_ids = itertools.count()
+        self._rng = random.Random(config.seed)
+        self._requests: dict[str, Request] = {}
+        self._ready: list[RequestOutput] = []  # rejected at add time, returned by the next step
+        # leader seq_id -> (leader, candidates waiting for its prompt blocks)
+        self._followers: dict[int, tuple[Sequence, list[Sequence]]] = {}
+
+    # ---- requests in ---------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> None:
+        """Queue a generation request (n samples share the prompt's KV blocks)."""
+        params = params or SamplingParams()
+        ids = self._prompt_ids(request_id, prompt)
+        if ids is None:
+            return
+        if not isinstance(params, SamplingParams):
+            self._reject(request_id, ids, "bad_params", f"expected SamplingParams, got {params!r}")
+            return
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seqs: list[Sequence] = []
+        for i in range(params.n):
+            seqs.append(
+                Sequence(
+                    next(self._seq_ids),
+                    request_id,
+                    ids,
+                    params,
+                    sample_index=i,
+                    seed=sample_seed(seed, i),
+                    parent=seqs[0] if i else None,
+                )
+            )
+        for seq in seqs:
+            error = self.scheduler.add(seq)
+            if error is not None:  # every sample has the same lengths: all fail alike
+                self._reject(request_id, ids, error.code, error.message)
+                return
+        request = Request(request_id, ids, params, seqs)
+        if params.stop:
+            request.stop_checkers = {
+                s.seq_id: StopStringChecker(self.tokenizer, params.stop) for s in seqs
+            }
+        if params.logprobs is not None:
+            request.logprobs = {s.seq_id: [] for s in seqs}
+        self._track(request, len(ids) * len(seqs))
+
+    def add_score_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        candidates: list[list[int]],
+        return_token_logprobs: bool = False,
+    ) -> None:
+        """Queue the scoring of each candidate continuation after `prompt` (token ids).
+
+        The first valid candidate computes the shared prompt; the rest are admitted once its
+        prompt blocks are in the prefix cache, so the prompt is computed once per request.
+        """
+        ids = self._prompt_ids(request_id, prompt)
+        if ids is None:
+            return
+        request = Request(
+            request_id,
+            ids,
+            _SCORE_PARAMS,
+            [],
+            num_candidates=len(candidates),
+            return_token_logprobs=return_token_logprobs,
+        )
+        for i, cand in enumerate(candidates):
+            error = self._check_ids(cand, "candidate")
+            if error is None and not cand:
+                error = ("empty_candidate", f"candidate {i} has no tokens")
+            seq = None
+            if error is None:
+                seq = Sequence(
+                    next(self._seq_ids),
+                    request_id,
+                    ids + list(cand),
+                    _SCORE_PARAMS,
+                    sample_index=i,
+                    score_from=len(ids),
+                )
+                add_error = self.scheduler.add(seq) if not request.seqs else self._precheck(seq)
+                error = tuple(add_error) if add_error is not None else None
+            if error is not None:
+                request.score_errors[i] = (error[0], f"candidate {i}: {error[1]}")
+                continue
+            request.scores[i] = ScoreAccumulator()
+            if request.seqs:
+                leader = request.seqs[0]
+                self._followers.setdefault(leader.seq_id, (leader, []))[1].append(seq)
+            request.seqs.append(seq)
+        self._track(request, sum(s.num_tokens for s in request.seqs))
+        if not request.seqs:
+            self._ready.append(request.output(self.tokenizer.decode))
+            del self._requests[request_id]
+
+    def _precheck(self, seq: Sequence):
+        """Follower candidates are validated now and queued later (see _release_followers)."""
+        return self.scheduler.check_servable(seq)
+
+    def _prompt_ids(self, request_id: str, prompt) -> list[int] | None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt) if prompt else []
+        else:
+            ids = list(prompt)
+        error = self._check_ids(ids, "prompt")
+        if error is None and not ids:
+            error = ("empty_prompt", "the prompt is empty (no tokens)")
+        if error is not None:
+            self._reject(request_id, ids if isinstance(ids, list) else [], *error)
+            return None
+        return ids
+
+    def _check_ids(self, ids, what: str) -> tuple[str, str] | None:
+        vocab = self.model_config.vocab_size
+        bad = [
+            t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+        ]
+        if bad:
+            return ("invalid_token_id", f"{what} has token id(s) outside [0, {vocab}): {bad[:5]}")
+        return None
+
+    def _reject(self, request_id: str, ids: list[int], code: str, message: str) -> None:
+        self.stats.num_errors += 1
+        self._ready.append(RequestOutput.failed(request_id, ids, code, message))
+
+    def _track(self, request: Request, num_tokens: int) -> None:
+        self._requests[request.request_id] = request
+        self.stats.num_requests += 1
+        self.stats.num_prompt_tokens += num_tokens
+
+    # ---- stepping ----------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._ready)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return the requests that finished (including rejected ones)."""
+        finished_outputs, self._ready = self._ready, []
+        if not self.scheduler.has_unfinished():
+            return finished_outputs
+        out = self.scheduler.schedule()
+        for seq in out.preempted:
+            if seq.is_score:
+                self._requests[seq.request_id].scores[seq.sample_index] = ScoreAccumulator()
+        sampling = self._sampling_batch(out.scheduled)
+        tokens, logprobs, scores = self.runner.execute(out.scheduled, sampling)
+        sample_seqs = [s.seq for s in out.scheduled if s.samples]
+        sampled = {seq.seq_id: tok for seq, tok in zip(sample_seqs, tokens)}
+        for row, logprob, is_argmax in scores:
+            seq = out.scheduled[row].seq
+            self._requests[seq.request_id].scores[seq.sample_index].add(logprob, is_argmax)
+        self.stats.num_scored_tokens += len(scores)
+        self.stats.num_generated_tokens += len(tokens)
+        self.stats.num_steps += 1
+        done = self.scheduler.postprocess(out, sampled)
+        for i, seq in enumerate(sample_seqs):
+            request = self._requests[seq.request_id]
+            if logprobs is not None and seq.seq_id in request.logprobs:
+                request.logprobs[seq.seq_id].append(logprobs[i])
+            checker = request.stop_checkers.get(seq.seq_id)
+            if checker is not None and checker.add(sampled[seq.seq_id]) and not seq.is_finished:
+                self.scheduler.finish(seq, "stop")
+                done.append(seq)
+        self._release_followers()
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        for seq in done:
+            request = self._requests.get(seq.request_id)
+            if request is not None and request.finished():
+                self.stats.num_cached_tokens += sum(s.num_cached_tokens for s in request.seqs)
+                finished_outputs.append(request.output(self.tokenizer.decode))
+                del self._requests[seq.request_id]
+        return finished_outputs
+
+    def _release_followers(self) -> None:
+        for leader_id in list(self._followers):
+            leader = next(
+                (s for r in self._requests.values() for s in r.seqs if s.seq_id == leader_id),
+                None,
+            )
+            if (
+                leader is None
+                or leader.is_finished
+                or (leader.num_computed_tokens >= leader.score_from - 1)
+            ):
+                for seq in self._followers.pop(leader_id):
+                    error = self.scheduler.add(seq)
+                    assert error is None, error  # validated by _precheck
+
+    def _sampling_batch(self, scheduled) -> SamplingBatch:
+        params, seeds, steps, prompts, outputs, suppress = [], [], [], [], [], []
+        for item in scheduled:
+            if not item.samples:
+                continue
+            seq = item.seq
+            p = seq.params
+            params.append(p)
+            seeds.append(seq.seed)
+            steps.append(seq.num_output_tokens)
+            penalized = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+            prompts.append(seq.prompt_token_ids if penalized else [])
+            outputs.append(seq.output_token_ids if penalized else [])
+            if seq.num_output_tokens < p.min_tokens:
+                suppress.append(sorted(set(p.stop_token_ids) | self.eos_token_ids))
+            else:
+                suppress.append([])
+        return SamplingBatch(params, seeds, steps, prompts, outputs, suppress)

@@ -1,0 +1,175 @@
+"""ModelRunner: owns the model, the KV cache and the sampler; runs one scheduled step on the device.
+
+The one place where the scheduler's Python lists become device tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from batchgen.config import ConfigError, EngineConfig
+from batchgen.engine.sampler import Sampler, SamplingBatch
+from batchgen.engine.scheduler_output import ScheduledSequence
+from batchgen.engine.step_inputs import StepInputs, build_step_inputs
+from batchgen.kernels import ops
+from batchgen.layers.context import AttentionContext
+from batchgen.models.config import ModelConfig
+from batchgen.models.loader import load_model
+
+# Rows of logits computed at once for scoring, bounding the [rows, vocab] buffer.
+_SCORE_CHUNK = 1024
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r}: no CUDA device is visible to torch")
+    return torch.device(device)
+
+
+class ModelRunner:
+    """Loads the model, sizes and allocates the paged KV cache, executes steps."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+        self.config = config
+        self.model_config = model_config
+        self.device = resolve_device(config.device)
+        self.model, _ = load_model(config.model, config.dtype, self.device, config.allow_pickle)
+        self._init(max_model_len)
+
+    @classmethod
+    def from_model(cls, config: EngineConfig, model, max_model_len: int) -> ModelRunner:
+        """Wrap an already-built model (random-weight benchmark presets)."""
+        self = cls.__new__(cls)
+        self.config = config
+        self.model_config = model.config
+        self.device = next(model.parameters()).device
+        self.model = model
+        self._init(max_model_len)
+        return self
+
+    def _init(self, max_model_len: int) -> None:
+        self.dtype = next(self.model.parameters()).dtype
+        self.block_size = self.config.block_size
+        self.max_model_len = max_model_len
+        self.sampler = Sampler()
+        self.num_kv_blocks = self._num_kv_blocks()
+        if self.num_kv_blocks * self.block_size < max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {self.num_kv_blocks * self.block_size} tokens, fewer than "
+                f"one max_model_len={max_model_len} request; lower max_model_len or give the "
+                "cache more memory (gpu_memory_utilization / cpu_kv_cache_gb / num_kv_blocks)"
+            )
+        c = self.model_config
+        # [2 (k, v), layers, blocks, block_size, kv_heads, head_dim]; per-layer views below.
+        self.kv_cache = torch.zeros(
+            2,
+            c.num_hidden_layers,
+            self.num_kv_blocks,
+            self.block_size,
+            c.num_key_value_heads,
+            c.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.kv_caches = [
+            (self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(c.num_hidden_layers)
+        ]
+
+    def block_bytes(self) -> int:
+        c = self.model_config
+        per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
+        return per_token * self.block_size * self.dtype.itemsize
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda":
+            return self._profile_gpu_blocks()
+        budget = int(self.config.cpu_kv_cache_gb * 2**30) // self.block_bytes()
+        # No point holding more than every sequence at full length.
+        needed = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+        return max(1, min(budget, needed))
+
+    @torch.inference_mode()
+    def _profile_gpu_blocks(self) -> int:
+        """Blocks that fit in gpu_memory_utilization x total after weights and a peak step."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len * 4)
+        lengths = []
+        while sum(lengths) < num_tokens:
+            lengths.append(min(self.max_model_len, num_tokens - sum(lengths)))
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        pos = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        hidden = self.model(ids, pos, AttentionContext.for_prompts(lengths, self.device))
+        self.model.compute_logits(hidden[: self.config.max_num_seqs]).float()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        del hidden
+        torch.cuda.empty_cache()
+        budget = min(int(total * self.config.gpu_memory_utilization) - peak, free)
+        return max(0, budget // self.block_bytes())
+
+    def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _context(self, step: StepInputs) -> AttentionContext:
+        width = max(len(t) for t in step.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in step.block_tables]
+        return AttentionContext(
+            cu_seqlens_q=self._tensor(step.cu_seqlens_q, torch.int32),
+            seq_lens=self._tensor(step.seq_lens, torch.int32),
+            max_seqlen_q=step.max_seqlen_q,
+            max_seqlen_k=max(step.seq_lens),
+            slot_mapping=self._tensor(step.slot_mapping, torch.int64),
+            block_tables=self._tensor(
+                list(itertools.chain.from_iterable(tables)), torch.int32
+            ).view(len(tables), width),
+            kv_caches=self.kv_caches,
+            is_decode=step.is_decode,
+        )
+
+    @torch.inference_mode()
+    def execute(
+        self, scheduled: list[ScheduledSequence], sampling: SamplingBatch
+    ) -> tuple[list[int], list[dict[int, float]] | None, list[tuple[int, float, bool]]]:
+        """Run one step.
+
+        Returns:
+            tokens: one sampled token per sampling sequence (batch order).
+            logprobs: per sampling sequence {token: logprob} when any asked, else None.
+            scores: (batch row, log-prob of the candidate token, whether it was the argmax)
+                for every scored position, in order.
+        """
+        step = build_step_inputs(scheduled, self.block_size)
+        input_ids = self._tensor(step.input_ids, torch.int64)
+        positions = self._tensor(step.positions, torch.int64)
+        hidden = self.model(input_ids, positions, self._context(step))  # [T, H]
+        tokens: list[int] = []
+        logprobs = None
+        if step.sample_rows:
+            rows = self._tensor(step.sample_rows, torch.int64)
+            logits = self.model.compute_logits(hidden[rows]).float()  # [N, V]
+            tokens, logprobs = self.sampler(logits, sampling)
+        return tokens, logprobs, self._score(hidden, step)
+
+    def _score(self, hidden: torch.Tensor, step: StepInputs) -> list[tuple[int, float, bool]]:
+        results: list[tuple[int, float, bool]] = []
+        for lo in range(0, len(step.score_rows), _SCORE_CHUNK):
+            rows = self._tensor(step.score_rows[lo : lo + _SCORE_CHUNK], torch.int64)
+            targets = self._tensor(step.score_targets[lo : lo + _SCORE_CHUNK], torch.int64)
+            logits = self.model.compute_logits(hidden[rows])  # [n, V], never all positions
+            lp = ops.token_logprobs(logits, targets)  # [n] float32
+            match = logits.argmax(dim=-1) == targets
+            owners = step.score_owner[lo : lo + _SCORE_CHUNK]
+            results.extend(zip(owners, lp.tolist(), match.tolist()))
+        return results

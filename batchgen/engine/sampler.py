@@ -1,0 +1,153 @@
+"""Sampler: penalties, temperature, top-k/top-p/min-p and per-request keyed random choice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.kernels import ops
+from batchgen.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """The rows to sample in one step, host-side; `Sampler.prepare` turns it into tensors.
+
+    Attributes:
+        params: one SamplingParams per row.
+        seeds: per-row random-stream key (request seed mixed with the sample index).
+        steps: per-row index of the token being generated (so a resume or a different batch
+            gives the same draw).
+        prompt_ids / output_ids: per-row token histories (only read for penalties and
+            min_tokens).
+        suppress_ids: per-row token ids to forbid this step (EOS/stop ids under min_tokens).
+    """
+
+    params: list[SamplingParams]
+    seeds: list[int]
+    steps: list[int]
+    prompt_ids: list[list[int]]
+    output_ids: list[list[int]]
+    suppress_ids: list[list[int]]
+
+
+class Sampler:
+    """Turns fp32 logits [N, V] into one token per row, plus optional top-k log-probs."""
+
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[list[int], list[dict[int, float]] | None]:
+        """logits: [N, V] float32 -> (token per row, per-row {token: logprob} or None)."""
+        logits = logits.float()
+        raw_logprobs = None
+        if any(p.logprobs is not None for p in batch.params):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)  # [N, V], before any processing
+        logits = self._apply_penalties(logits, batch)
+        for row, ids in enumerate(batch.suppress_ids):
+            if ids:
+                logits[row, ids] = float("-inf")
+        greedy_rows = [i for i, p in enumerate(batch.params) if p.greedy]
+        random_rows = [i for i, p in enumerate(batch.params) if not p.greedy]
+        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        if greedy_rows:
+            idx = torch.tensor(greedy_rows, device=logits.device)
+            tokens[idx] = logits[idx].argmax(dim=-1)
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            tokens[idx] = self._sample(
+                logits[idx],
+                [batch.params[i] for i in random_rows],
+                [batch.seeds[i] for i in random_rows],
+                [batch.steps[i] for i in random_rows],
+            )
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return token_list, None
+        return token_list, _gather_logprobs(raw_logprobs, token_list, batch.params)
+
+    def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        rows = [
+            i
+            for i, p in enumerate(batch.params)
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        ]
+        for i in rows:
+            p = batch.params[i]
+            if p.repetition_penalty != 1.0:
+                # HF semantics over prompt + output tokens: shrink positive logits, grow negative.
+                seen = torch.tensor(
+                    sorted(set(batch.prompt_ids[i]) | set(batch.output_ids[i])),
+                    dtype=torch.long,
+                    device=logits.device,
+                )
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(
+                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                )
+            if (p.presence_penalty or p.frequency_penalty) and batch.output_ids[i]:
+                # OpenAI semantics over generated tokens only.
+                out = torch.tensor(batch.output_ids[i], dtype=torch.long, device=logits.device)
+                counts = torch.zeros(logits.shape[1], device=logits.device)
+                counts.scatter_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        return logits
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        seeds: list[int],
+        steps: list[int],
+    ) -> torch.Tensor:
+        """logits: [M, V] -> [M] tokens, by Gumbel-max over the filtered, tempered logits."""
+        device = logits.device
+        temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+        logits = logits / temps  # [M, V]
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        if any(k > 0 for k in top_k) or any(x < 1.0 for x in top_p):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        if any(x > 0 for x in min_p):
+            probs = torch.softmax(logits, dim=-1)
+            threshold = torch.tensor(min_p, device=device).unsqueeze(1) * probs.amax(
+                dim=-1, keepdim=True
+            )
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
+        step_t = torch.tensor(steps, dtype=torch.int64, device=device)
+        return ops.sample_gumbel(logits.contiguous(), seed_t, step_t)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask everything outside each row's top-k and nucleus (top-p) set with -inf."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [M, V]
+    ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)  # [1, V]
+    drop = ranks >= ks.unsqueeze(1)
+    ps = torch.tensor(top_p, device=logits.device, dtype=logits.dtype).unsqueeze(1)
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # Keep a token while the mass before it is < p (so the top token always stays).
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= ps
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _gather_logprobs(
+    logprobs: torch.Tensor, tokens: list[int], params: list[SamplingParams]
+) -> list[dict[int, float]]:
+    out: list[dict[int, float]] = []
+    for row, (token, p) in enumerate(zip(tokens, params)):
+        if p.logprobs is None:
+            out.append({})
+            continue
+        entry: dict[int, float] = {}
+        if p.logprobs > 0:
+            values, ids = logprobs[row].topk(p.logprobs)
+            entry.update(zip(ids.tolist(), values.tolist()))
+        entry[token] = float(logprobs[row, token])
+        out.append(entry)
+    return out

@@ -1,0 +1,256 @@
+"""Scheduler: continuous batching with chunked prefill and preemption by recompute."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from batchgen.engine.sequence import Sequence, SequenceStatus
+
+
+class AddError(NamedTuple):
+    """Why a sequence can never be served: a stable code and a message saying what to change."""
+
+    code: str  # "prompt_too_long" | "cannot_fit"
+    message: str
+
+
+class Scheduler:
+    """Decides, step by step, which sequences compute how many tokens under one token budget.
+
+    Each step first serves running sequences, oldest admission first (a decode token or the
+    next prefill chunk), preempting the newest running sequences when KV blocks run out; then
+    admits waiting sequences in FIFO order while the budget, max_num_seqs and the free blocks
+    allow. Samples 1..n-1 of a request wait for sample 0 to compute its prompt and then share
+    its prompt blocks.
+
+    Args:
+        block_manager: the KV block pool.
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: most tokens (prefill + decode) in one step.
+        max_model_len: longest sequence (prompt + output) allowed.
+        eos_token_ids: tokens that end generation (unless params.ignore_eos).
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
+
+    # ---- queue state -------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ---- requests in and out -----------------------------------------------------------------
+    def add(self, seq: Sequence) -> AddError | None:
+        """Queue seq (FIFO), or return why it can never be served.
+
+        A rejected sequence is marked FINISHED (finish_reason stays None) and never queued, so
+        siblings naming it as parent fall back to normal admission instead of waiting for it.
+        """
+        assert seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0
+        error = self.check_servable(seq)
+        if error is not None:
+            seq.status = SequenceStatus.FINISHED
+            return error
+        self.waiting.append(seq)
+        return None
+
+    def check_servable(self, seq: Sequence) -> AddError | None:
+        if seq.is_score:
+            total = seq.num_tokens
+            what = f"prompt + candidate has {total} tokens"
+        else:
+            total = seq.num_prompt_tokens + seq.params.max_tokens
+            what = (
+                f"prompt has {seq.num_prompt_tokens} tokens + max_tokens "
+                f"{seq.params.max_tokens} = {total}"
+            )
+        if total > self.max_model_len:
+            fix = "shorten the input" if seq.is_score else "shorten the prompt or lower max_tokens"
+            return AddError(
+                "prompt_too_long",
+                f"{what}, more than max_model_len={self.max_model_len}; {fix}, or raise "
+                "max_model_len if the model supports it",
+            )
+        bm = self.block_manager
+        if not bm.can_ever_fit(seq.max_kv_tokens):
+            needed = -(-seq.max_kv_tokens // bm.block_size)
+            return AddError(
+                "cannot_fit",
+                f"{what}; its KV needs {needed} blocks of {bm.block_size} tokens but the cache "
+                f"has only {bm.num_blocks}; raise num_kv_blocks (or the memory given to the KV "
+                "cache)" + ("" if seq.is_score else " or lower max_tokens"),
+            )
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End seq now (stop string found, or abort): free its blocks, drop it from the queues."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.parent = None
+        self.block_manager.free(seq)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work: running sequences first, then admissions (see the class)."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        self._schedule_running(out, budget)
+        budget -= out.num_batched_tokens
+        # After a preemption, blocks are short: admitting now would only thrash.
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        assert out.scheduled or not self.has_unfinished(), (
+            "scheduler stalled with nothing running: add() should have rejected "
+            f"{self.waiting[0] if self.waiting else None}"
+        )
+        assert out.num_batched_tokens <= self.max_num_batched_tokens
+        assert len(out.scheduled) <= self.max_num_seqs
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            assert num_new > 0, f"running {seq} has nothing to compute"
+            while not self.block_manager.allocate_slots(seq, num_new):
+                victim = self.running.pop()  # newest admission; never one already scheduled
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    return
+            self._add_scheduled(out, seq, num_new)
+            budget -= num_new
+            i += 1
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        skipped: list[Sequence] = []  # siblings still waiting for their parent's prompt
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            computed = self._reusable_blocks(seq)
+            if computed is None:
+                skipped.append(self.waiting.popleft())
+                continue
+            num_computed = len(computed) * bm.block_size
+            num_new = min(seq.num_tokens - num_computed, budget)
+            if not bm.allocate_slots(seq, num_new, computed):
+                break  # no head-of-line skipping: wait for blocks to free up
+            self.waiting.popleft()
+            seq.parent = None
+            if seq.num_preemptions == 0:  # first admission
+                seq.num_cached_tokens = num_computed
+                bm.record_cache_query(seq.num_prompt_tokens, num_computed)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add_scheduled(out, seq, num_new)
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+    def _reusable_blocks(self, seq: Sequence) -> list[int] | None:
+        """Blocks seq can start from on admission; None while it must wait for its parent."""
+        parent = seq.parent
+        if parent is not None and not parent.is_finished:
+            prompt_done = parent.num_computed_tokens >= parent.num_prompt_tokens
+            if parent.status is not SequenceStatus.RUNNING or not prompt_done:
+                return None
+            # Fork: share the parent's full prompt blocks, leaving at least the last prompt
+            # token for the child to compute (its logits give the child's first sample).
+            num_shared = (seq.num_prompt_tokens - 1) // self.block_manager.block_size
+            return parent.block_table[:num_shared]
+        if seq.is_score:
+            limit = seq.score_from - 1  # logits are needed from position score_from - 1 on
+        else:
+            limit = seq.num_tokens - 1  # compute at least one token to get logits
+        return self.block_manager.get_computed_blocks(seq, limit)
+
+    def _add_scheduled(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        start = seq.num_computed_tokens
+        samples = not seq.is_score and start + num_new == seq.num_tokens
+        out.scheduled.append(ScheduledSequence(seq, num_new, start, samples))
+        out.num_batched_tokens += num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ---- after the model ran -----------------------------------------------------------------
+    def postprocess(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Advance the scheduled sequences by their computed tokens and sampled token.
+
+        Args:
+            output: this step's schedule.
+            sampled: seq_id -> sampled token for every scheduled entry with samples=True.
+
+        Returns:
+            The sequences that finished this step (status FINISHED, blocks freed).
+        """
+        finished: list[Sequence] = []
+        for s in output.scheduled:
+            seq = s.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # finished by the engine (abort) after this step was scheduled
+            seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if s.samples:
+                seq.append_token(sampled[seq.seq_id])
+            reason = self._finish_reason(seq, s.samples)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, sampled: bool) -> str | None:
+        if seq.is_score:
+            return "score" if seq.num_computed_tokens == seq.num_tokens else None
+        if not sampled:
+            return None
+        params = seq.params
+        token = seq.last_token_id
+        if seq.num_output_tokens >= params.min_tokens and (
+            token in params.stop_token_ids
+            or (not params.ignore_eos and token in self.eos_token_ids)
+        ):
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None

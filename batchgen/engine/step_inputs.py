@@ -1,0 +1,70 @@
+"""StepInputs: flatten one scheduled step into host lists for the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchgen.engine.scheduler_output import ScheduledSequence
+
+
+@dataclass
+class StepInputs:
+    """Host-side (pure Python) description of one forward step over a ragged batch.
+
+    Attributes:
+        input_ids, positions, slot_mapping: [T] per new token.
+        cu_seqlens_q: [B+1] offsets of each sequence's new tokens; seq_lens: [B] context lengths.
+        block_tables: [B] lists of block ids.
+        sample_rows: flat token index of each sampling sequence's last token, in batch order.
+        score_rows / score_targets / score_owner: for scoring sequences, the flat index whose
+            logits predict a candidate token, that token, and the owning batch row.
+    """
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    cu_seqlens_q: list[int] = field(default_factory=lambda: [0])
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    score_rows: list[int] = field(default_factory=list)
+    score_targets: list[int] = field(default_factory=list)
+    score_owner: list[int] = field(default_factory=list)
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.input_ids) == len(self.seq_lens)
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return max(b - a for a, b in zip(self.cu_seqlens_q, self.cu_seqlens_q[1:]))
+
+
+def build_step_inputs(scheduled: list[ScheduledSequence], block_size: int) -> StepInputs:
+    """Gather token ids, positions and cache slots for each scheduled chunk, in batch order."""
+    step = StepInputs()
+    for row, item in enumerate(scheduled):
+        seq, start, end = item.seq, item.start, item.start + item.num_new_tokens
+        step.input_ids.extend(seq.token_ids[start:end])
+        step.positions.extend(range(start, end))
+        # One range per touched block instead of one Python op per token.
+        pos = start
+        while pos < end:
+            block, offset = divmod(pos, block_size)
+            take = min(block_size - offset, end - pos)
+            base = seq.block_table[block] * block_size + offset
+            step.slot_mapping.extend(range(base, base + take))
+            pos += take
+        flat_start = step.cu_seqlens_q[-1]
+        step.cu_seqlens_q.append(flat_start + item.num_new_tokens)
+        step.seq_lens.append(end)
+        step.block_tables.append(seq.block_table)
+        if item.samples:
+            step.sample_rows.append(flat_start + item.num_new_tokens - 1)
+        if seq.score_from is not None:
+            # Position p's logits predict token p + 1; candidates occupy [score_from, num_tokens).
+            for p in range(max(start, seq.score_from - 1), min(end, seq.num_tokens - 1)):
+                step.score_rows.append(flat_start + p - start)
+                step.score_targets.append(seq.token_ids[p + 1])
+                step.score_owner.append(row)
+    return step

@@ -1,0 +1,1 @@
+"""Model building blocks; each dispatches to Triton kernels on CUDA and torch references on CPU."""

@@ -1,0 +1,50 @@
+"""Attention over the paged KV cache: store the new tokens' K/V, attend via block tables."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from batchgen.kernels import ops
+from batchgen.layers.context import AttentionContext
+
+
+class Attention(nn.Module):
+    """Causal GQA attention for one layer; the cache itself lives in ctx.kv_caches[layer_idx]."""
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq, D]."""
+        if ctx.kv_caches is None:
+            return ops.varlen_attention(q, k, v, ctx.cu_seqlens_q, ctx.max_seqlen_q, self.scale)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]  # [num_blocks, block_size, Hk, D]
+        ops.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        if ctx.is_decode:
+            return ops.paged_attention_decode(
+                q,
+                k_cache,
+                v_cache,
+                ctx.seq_lens,
+                ctx.block_tables,
+                self.scale,
+                max_seq_len=ctx.max_seqlen_k,
+            )
+        return ops.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            ctx.cu_seqlens_q,
+            ctx.seq_lens,
+            ctx.block_tables,
+            self.scale,
+            ctx.max_seqlen_q,
+        )

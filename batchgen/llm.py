@@ -1,0 +1,122 @@
+"""LLM: the public batch API — generate and score lists of prompts, results in input order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+
+from tqdm import tqdm
+
+from batchgen.config import EngineConfig
+from batchgen.engine.llm_engine import LLMEngine
+from batchgen.outputs import RequestOutput, ScoreOutput
+from batchgen.sampling_params import SamplingParams
+
+
+class LLM:
+    """Offline generation over a Hugging Face model directory.
+
+    Args:
+        model: path to the model directory (config.json, safetensors, tokenizer.json).
+        dtype: "auto", "bfloat16", "float16" or "float32".
+        **engine_options: any other EngineConfig field (device, block_size, num_kv_blocks,
+            max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching, ...).
+    """
+
+    def __init__(self, model: str, dtype: str = "auto", **engine_options) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        self = cls.__new__(cls)
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        return self
+
+    @property
+    def stats(self):
+        return self.engine.stats
+
+    def generate(
+        self,
+        prompts: SequenceABC[str] | SequenceABC[list[int]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids).
+
+        Args:
+            prompts: strings (tokenized with the model's tokenizer, BOS added) or token-id lists.
+            sampling_params: one SamplingParams for all, or one per prompt.
+            use_tqdm: show a progress bar with generated tokens/s.
+
+        Returns:
+            One RequestOutput per prompt, in input order; a bad request has finish_reason
+            "error" and a message in `.error`.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one, or one "
+                "per prompt"
+            )
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            self.engine.add_request(str(i), prompt, p)
+        return self._run(len(prompts), use_tqdm, "generate")
+
+    def score(
+        self,
+        prompts: SequenceABC[str] | SequenceABC[list[int]],
+        candidates: SequenceABC[SequenceABC[str] | SequenceABC[list[int]]],
+        separator: str = "",
+        return_token_logprobs: bool = False,
+        use_tqdm: bool = True,
+    ) -> list[list[ScoreOutput]]:
+        """Log-likelihood of each candidate continuation of each prompt.
+
+        Text is joined as `prompt + separator + candidate`: the prompt is tokenized alone (BOS
+        added) and the candidate tokens are the tokens of the joined text after the prompt's,
+        so a candidate is scored exactly as the model would have generated it, with no BOS in
+        the middle. Token-id prompts/candidates are used as they are.
+
+        Returns:
+            Per prompt, one ScoreOutput per candidate (score = sum log-prob, num_tokens, mean,
+            greedy_match, optional token_logprobs); a bad candidate carries an error.
+        """
+        if len(candidates) != len(prompts):
+            raise ValueError(f"got {len(candidates)} candidate lists for {len(prompts)} prompts")
+        from batchgen.scoring import tokenize_for_scoring
+
+        for i, (prompt, cands) in enumerate(zip(prompts, candidates)):
+            prompt_ids, cand_ids = tokenize_for_scoring(self.tokenizer, prompt, cands, separator)
+            self.engine.add_score_request(str(i), prompt_ids, cand_ids, return_token_logprobs)
+        outputs = self._run(len(prompts), use_tqdm, "score")
+        return [
+            o.scores
+            if o.scores is not None
+            else [
+                ScoreOutput(0.0, 0, 0.0, error=o.error, error_code=o.error_code)
+                for _ in candidates[i]
+            ]
+            for i, o in enumerate(outputs)
+        ]
+
+    def _run(self, count: int, use_tqdm: bool, what: str) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * count
+        bar = tqdm(total=count, desc=what, disable=not use_tqdm, dynamic_ncols=True)
+        stats = self.engine.stats
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                results[int(out.request_id)] = out
+                bar.update(1)
+            bar.set_postfix(
+                tok_s=f"{stats.generated_tokens_per_s:.0f}",
+                hit=f"{stats.prefix_cache_hit_rate:.0%}",
+                refresh=False,
+            )
+        bar.close()
+        return results  # type: ignore[return-value]

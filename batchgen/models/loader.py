@@ -1,0 +1,117 @@
+"""Build a model from a Hugging Face directory: config, class from the registry, fused weights."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from batchgen.models.config import ModelConfig
+from batchgen.models.errors import ModelLoadError
+from batchgen.models.registry import model_class
+from batchgen.models.weights import find_weight_files, iter_tensors
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """ "auto": float32 on CPU (fast and exact there); on GPU the checkpoint's half dtype, else
+    bfloat16."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    return (
+        _DTYPES.get(config.torch_dtype or "", torch.bfloat16)
+        if config.torch_dtype in ("bfloat16", "float16")
+        else torch.bfloat16
+    )
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """An uninitialized-but-allocated model of the right class (random weights from nn init)."""
+    cls = model_class(config.architecture)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def load_model(
+    path: str, dtype: str = "auto", device: str | torch.device = "cpu", allow_pickle: bool = False
+) -> tuple[nn.Module, ModelConfig]:
+    """Load config and weights of `path` onto `device`.
+
+    Raises:
+        ModelLoadError: naming the file or tensor at fault and what was expected.
+    """
+    config = ModelConfig.from_dir(path)
+    device = torch.device(device)
+    model = build_model(config, resolve_dtype(dtype, config, device), device)
+    files = find_weight_files(path, allow_pickle)
+    load_weights(model, iter_tensors(files))
+    return model, config
+
+
+def load_weights(model: nn.Module, tensors) -> None:
+    """Copy (file, HF name, tensor) triples into the model, fusing packed projections.
+
+    Every parameter (and every shard of a fused one) must be filled exactly once.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    needed: set[tuple[str, int]] = set()
+    for name in params:
+        if tied and name == "lm_head.weight":
+            continue
+        fused = next((f for f, _ in model.packed_modules.values() if f"{f}." in name), None)
+        count = len(model.shard_sizes(fused)) if fused else 1
+        needed.update((name, i) for i in range(count))
+    filled: set[tuple[str, int]] = set()
+    unexpected: list[str] = []
+    for file, hf_name, tensor in tensors:
+        if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
+            continue  # derived buffers / tied copies some checkpoints carry
+        name, shard = _our_name(model, hf_name)
+        if name not in params:
+            unexpected.append(hf_name)
+            continue
+        param = params[name]
+        target = param.data
+        if shard is not None:
+            sizes = model.shard_sizes(name.split(".")[-2])
+            offset = sum(sizes[:shard])
+            target = target.narrow(0, offset, sizes[shard])
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ModelLoadError(
+                f"{file}: tensor {hf_name!r} has shape {tuple(tensor.shape)} but the model "
+                f"expects {tuple(target.shape)} (from config.json); the config and weights "
+                "do not belong together"
+            )
+        with torch.no_grad():
+            target.copy_(tensor)
+        filled.add((name, shard or 0))
+    if unexpected:
+        shown = ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else "")
+        raise ModelLoadError(
+            f"checkpoint has {len(unexpected)} tensor(s) this {model.config.architecture} model "
+            f"does not use: {shown}"
+        )
+    missing = sorted(needed - filled)
+    if missing:
+        shown = ", ".join(f"{n}[{s}]" if s else n for n, s in missing[:8])
+        raise ModelLoadError(
+            f"checkpoint is missing {len(missing)} tensor(s): {shown}"
+            + (" ..." if len(missing) > 8 else "")
+        )
+
+
+def _our_name(model: nn.Module, hf_name: str) -> tuple[str, int | None]:
+    """HF tensor name -> (our parameter name, shard index within a fused parameter or None)."""
+    for hf_part, (ours, shard) in model.packed_modules.items():
+        if f".{hf_part}." in hf_name:
+            return hf_name.replace(f".{hf_part}.", f".{ours}."), shard
+    return hf_name, None

@@ -1,0 +1,98 @@
+"""Architecture presets: the tiny models tests and demos build, and real shapes for benchmarks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Shared by every tiny preset; the vocabulary size is filled in from the trained tokenizer.
+_TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+}
+
+TINY_PRESETS: dict[str, dict[str, Any]] = {
+    "llama": {
+        **_TINY,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+    "mistral": {
+        **_TINY,
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "tie_word_embeddings": False,
+        "sliding_window": None,
+    },
+    "qwen2": {
+        **_TINY,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    },
+    "qwen3": {
+        **_TINY,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "tie_word_embeddings": True,
+        "head_dim": 32,  # explicit and != hidden / heads, as in real Qwen3 checkpoints
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    },
+}
+
+# Real architectures (BENCHMARKS.md) for random-weight benchmarks; built directly on the device.
+BENCH_PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "torch_dtype": "bfloat16",
+        "eos_token_id": 151645,
+    },
+    "llama3.1-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
+    },
+}

@@ -1,0 +1,111 @@
+"""SamplingParams: how one request is decoded, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    """A SamplingParams field has a value that cannot be used; the message names the field."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding settings for one request.
+
+    Args:
+        max_tokens: most tokens to generate (>= 1).
+        min_tokens: EOS and stop tokens are suppressed until this many tokens exist.
+        temperature: 0 means greedy; otherwise logits are divided by it before sampling.
+        top_k: keep the k most likely tokens (0 or -1: off).
+        top_p: keep the smallest set whose probability mass reaches p (1.0: off).
+        min_p: drop tokens whose probability is below min_p x the top probability (0: off).
+        repetition_penalty: > 1 discourages tokens already in prompt or output (1.0: off).
+        presence_penalty: subtracted once from logits of tokens already generated.
+        frequency_penalty: subtracted per occurrence of tokens already generated.
+        seed: keys the request's random stream; None draws one when the request is added.
+        n: number of independent samples of this prompt (they share the prompt's KV blocks).
+        stop: strings that end generation; the stop string is not part of the text.
+        stop_token_ids: token ids that end generation (in addition to EOS).
+        ignore_eos: keep generating past EOS (benchmarks).
+        logprobs: if set, return the top-k log-probs of each generated token (k >= 0; the
+            sampled token's own log-prob is always included).
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = field(default=())
+    stop_token_ids: tuple[int, ...] = field(default=())
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # Accept lists / a single string for convenience, store tuples so the object stays hashable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if self.stop_token_ids is None:
+            object.__setattr__(self, "stop_token_ids", ())
+        else:
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, msg: str) -> None:
+            value = getattr(self, name)
+            raise SamplingParamsError(f"SamplingParams.{name}={value!r}: {msg}")
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
+        if not is_num(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a number >= 0 (0 = greedy)")
+        if not is_int(self.top_k) or self.top_k < -1:
+            bad("top_k", "must be an integer >= -1 (0 or -1 = off)")
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0 (1.0 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not -2 <= v <= 2:
+                bad(name, "must be a number in [-2, 2]")
+        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
+            bad("seed", "must be a non-negative integer or None")
+        if not is_int(self.n) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "must be true or false")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            bad("logprobs", "must be None or an integer >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

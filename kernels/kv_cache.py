@@ -1,0 +1,112 @@
+"""Write new tokens' K/V into the paged cache by slot: Triton kernel and reference."""
+
+from __future__ import annotations
+
+import torch
+
+from .launch import check, check_dtype, check_launchable, pow2, tl, triton
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_vt,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One program per token: copy its [Hk * D] row of K and of V into cache slot `slot`.
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t)
+    if slot < 0:
+        return
+    cols = tl.arange(0, BLOCK)
+    mask = cols < ROW
+    k = tl.load(k_ptr + t * stride_kt + cols, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + cols, mask=mask)
+    tl.store(k_cache_ptr + slot * ROW + cols, k, mask=mask)
+    tl.store(v_cache_ptr + slot * ROW + cols, v, mask=mask)
+
+
+def _check_args(k, v, k_cache, v_cache, slot_mapping) -> None:
+    op = "store_kvcache"
+    check(
+        k.dim() == 3 and k.shape == v.shape,
+        f"{op}: k and v must be [T, Hk, D], got {tuple(k.shape)}, {tuple(v.shape)}",
+    )
+    check(
+        k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
+        f"{op}: caches must be [NB, BS, Hk, D], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}",
+    )
+    check(
+        k_cache.shape[2:] == k.shape[1:],
+        f"{op}: cache [.., .., Hk, D] = {tuple(k_cache.shape[2:])} "
+        f"does not match k {tuple(k.shape[1:])}",
+    )
+    check(
+        k.dtype == v.dtype == k_cache.dtype == v_cache.dtype,
+        f"{op}: k, v and caches must share a dtype, "
+        f"got {k.dtype}, {v.dtype}, {k_cache.dtype}, {v_cache.dtype}",
+    )
+    check(
+        slot_mapping.shape == (k.shape[0],) and slot_mapping.dtype == torch.int64,
+        f"{op}: slot_mapping must be [{k.shape[0]}] int64, "
+        f"got {tuple(slot_mapping.shape)} {slot_mapping.dtype}",
+    )
+
+
+def store_kvcache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store each token's K/V at its cache slot, in place, Triton kernel.
+
+    Args:
+        k, v: [T, Hk, D]; each token's [Hk, D] contiguous (views of a fused qkv are fine).
+        k_cache, v_cache: [NB, BS, Hk, D], contiguous, same dtype as k.
+        slot_mapping: [T] int64, slot = block_id * BS + offset; slots < 0 are skipped.
+    """
+    op = "store_kvcache"
+    _check_args(k, v, k_cache, v_cache, slot_mapping)
+    Hk, D = k.shape[1], k.shape[2]
+    for name, t in (("k", k), ("v", v)):
+        check(
+            t.stride(2) == 1 and t.stride(1) == D,
+            f"{op}: {name}[t] must be contiguous [Hk, D], got strides {t.stride()}",
+        )
+    check(
+        k_cache.is_contiguous() and v_cache.is_contiguous(),
+        f"{op}: k_cache and v_cache must be contiguous",
+    )
+    check_dtype(op, "k", k)
+    check_launchable(op, k, v, k_cache, v_cache, slot_mapping)
+    if k.shape[0] == 0:
+        return
+    row = Hk * D
+    _store_kvcache_kernel[(k.shape[0],)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
+        ROW=row, BLOCK=pow2(row), num_warps=4 if row >= 1024 else 1,
+    )  # fmt: skip
+
+
+def store_kvcache_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Torch reference of store_kvcache (in place; slots < 0 skipped)."""
+    _check_args(k, v, k_cache, v_cache, slot_mapping)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    Hk, D = k.shape[1], k.shape[2]
+    k_cache.view(-1, Hk, D)[slots] = k[keep]
+    v_cache.view(-1, Hk, D)[slots] = v[keep]

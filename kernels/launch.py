@@ -1,0 +1,90 @@
+"""Guarded Triton import and the argument checks every kernel launcher shares."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+class _MissingTriton:
+    """Stands in for `triton` and `triton.language` where Triton is not installed (macOS, CPU).
+
+    Kernel modules must still import there, because they also hold the torch references that the
+    CPU path runs: `@triton.jit` leaves the function as it is, `tl.constexpr` and friends resolve
+    to this object, and anything that would really launch raises.
+    """
+
+    def __getattr__(self, name: str) -> _MissingTriton:
+        return self
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]
+        raise RuntimeError(
+            "Triton is not installed: use the torch reference (batchgen.kernels.ops)"
+        )
+
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:
+    triton = tl = _MissingTriton()
+    HAS_TRITON = False
+
+__all__ = [
+    "HAS_TRITON",
+    "KERNEL_DTYPES",
+    "check",
+    "check_dtype",
+    "check_launchable",
+    "interpreting",
+    "pow2",
+    "tl",
+    "triton",
+]
+
+# Activation / KV dtypes the kernels are built and tested for.
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, used by CI)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check(ok: bool, message: str) -> None:
+    """Raise ValueError(message) when a launcher's precondition does not hold."""
+    if not ok:
+        raise ValueError(message)
+
+
+def check_launchable(op: str, *tensors: torch.Tensor) -> None:
+    """Check that Triton can run `op` on these tensors: installed, one CUDA device, or the
+    interpreter with CPU tensors."""
+    if not HAS_TRITON:
+        raise RuntimeError(f"{op}: Triton is not installed; call batchgen.kernels.ops.{op}")
+    device = tensors[0].device
+    for t in tensors:
+        check(
+            t.device == device,
+            f"{op}: all tensors must be on one device, got {device} and {t.device}",
+        )
+    if device.type != "cuda" and not (interpreting() and device.type == "cpu"):
+        raise ValueError(
+            f"{op}: the Triton kernel needs CUDA tensors (got {device}); CPU tensors run only "
+            "under TRITON_INTERPRET=1, otherwise call batchgen.kernels.ops"
+        )
+
+
+def check_dtype(op: str, name: str, t: torch.Tensor, allowed=KERNEL_DTYPES) -> None:
+    """Check that tensor `name` has one of the allowed dtypes."""
+    check(t.dtype in allowed, f"{op}: {name} has dtype {t.dtype}, expected one of {allowed}")
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (and >= 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()

@@ -1,0 +1,152 @@
+"""The ops models and the engine call: the Triton kernel for CUDA tensors, the torch reference
+otherwise (CPU, or no Triton installed)."""
+
+from __future__ import annotations
+
+import torch
+
+# Module aliases: two of the ops share their kernel module's name.
+from . import activation as _activation
+from . import decode_attention as _decode
+from . import kv_cache as _kv_cache
+from . import logprobs as _logprobs
+from . import paged_attention as _prefill
+from . import rms_norm as _rms_norm
+from . import rotary as _rotary
+from . import sampling as _sampling
+from .launch import HAS_TRITON, KERNEL_DTYPES
+from .rotary import build_cos_sin_cache
+
+__all__ = [
+    "build_cos_sin_cache",
+    "fused_add_rms_norm",
+    "paged_attention",
+    "paged_attention_decode",
+    "rms_norm",
+    "rotary_embedding",
+    "sample_gumbel",
+    "silu_and_mul",
+    "store_kvcache",
+    "token_logprobs",
+    "use_triton",
+    "varlen_attention",
+]
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether ops on `t` run Triton kernels: Triton is installed and t is a CUDA tensor of a
+    kernel dtype (bf16/fp16/fp32)."""
+    return HAS_TRITON and t.is_cuda and t.dtype in KERNEL_DTYPES
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF RMSNorm over the last dim of x [..., H]; returns x's shape and dtype."""
+    if not use_triton(x):
+        return _rms_norm.rms_norm_ref(x, weight, eps)
+    flat = x.reshape(-1, x.shape[-1])
+    return _rms_norm.rms_norm(flat, weight, eps).view(x.shape)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) for [T, H] inputs."""
+    if not use_triton(x):
+        return _rms_norm.fused_add_rms_norm_ref(x, residual, weight, eps)
+    return _rms_norm.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq, D] and k [T, Hk, D] by positions [T] int64 with the cache from
+    build_cos_sin_cache (on the same device); returns new (q, k)."""
+    if not use_triton(q):
+        return _rotary.rotary_embedding_ref(positions, q, k, cos_sin_cache)
+    return _rotary.rotary_embedding(positions, q, k, cos_sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[:, :I]) * x[:, I:] for x [T, 2I]; returns [T, I]."""
+    if not use_triton(x):
+        return _activation.silu_and_mul_ref(x)
+    return _activation.silu_and_mul(x)
+
+
+def store_kvcache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k, v [T, Hk, D] into the [NB, BS, Hk, D] caches at slot_mapping [T] (skip < 0)."""
+    if not use_triton(k):
+        return _kv_cache.store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+    return _kv_cache.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+) -> torch.Tensor:
+    """Causal attention of the new tokens q [T, Hq, D] over their paged context (prefill,
+    chunked prefill, mixed batches); see kernels/paged_attention.py for the contract."""
+    args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q)
+    if not use_triton(q):
+        return _prefill.paged_attention_ref(*args)
+    return _prefill.paged_attention(*args)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention within each sequence of a ragged batch, no cache; returns [T, Hq, D]."""
+    if not use_triton(q):
+        return _prefill.varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, scale)
+    return _prefill.varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence, q [B, Hq, D], over its paged context; CUDA-graph
+    safe on GPU (pass max_seq_len, a host int, to size the KV splits)."""
+    args = (q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, max_seq_len)
+    if not use_triton(q):
+        return _decode.paged_attention_decode_ref(*args)
+    return _decode.paged_attention_decode(*args)
+
+
+def sample_gumbel(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One token per row of processed logits [B, V] by Gumbel-max with noise keyed on each
+    request's (seed, step) [B] int64; returns [B] int64, identical on CPU and GPU."""
+    logits = logits.float()
+    if not (HAS_TRITON and logits.is_cuda):
+        return _sampling.gumbel_argmax_ref(logits, seeds, steps)
+    return _sampling.gumbel_argmax(logits.contiguous(), seeds, steps)
+
+
+def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits.float())[i, target_ids[i]] for logits [N, V]; returns [N] float32."""
+    if not use_triton(logits):
+        return _logprobs.token_logprobs_ref(logits, target_ids)
+    return _logprobs.token_logprobs(logits, target_ids)

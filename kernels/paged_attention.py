@@ -1,0 +1,329 @@
+"""Causal attention over a ragged batch (prefill, chunked prefill, mixed), reading K/V from the
+paged cache or from contiguous per-sequence K/V: Triton flash-attention kernel and references."""
+
+from __future__ import annotations
+
+import torch
+
+from .launch import check, check_dtype, check_launchable, interpreting, pow2, tl, triton
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tiles(
+    acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, q_start,
+    n_lo, n_hi, seq_len,
+    stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    # Online softmax over key tiles [n_lo, n_hi); q is [BLOCK_M, BLOCK_D], scores in log2 units.
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    for start_n in range(n_lo, n_hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < seq_len
+        if PAGED:
+            # Key n lives in cache block bt_row[n // PAGE_SIZE], slot n % PAGE_SIZE.
+            blk = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+            k_rows = blk * stride_kb + (offs_n % PAGE_SIZE) * stride_ks
+            v_rows = blk * stride_vb + (offs_n % PAGE_SIZE) * stride_vs
+        else:
+            k_rows = (q_start + offs_n).to(tl.int64) * stride_ks
+            v_rows = (q_start + offs_n).to(tl.int64) * stride_vs
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if CAUSAL_MASK:
+            visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_ptr, seq_lens_ptr, block_tables_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # Grid (cdiv(max_seqlen_q, BLOCK_M), Hq, B): BLOCK_M new tokens of one sequence, one q head.
+    m_block = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_ptr + b)
+    q_len = tl.load(cu_seqlens_ptr + b + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    if PAGED:
+        seq_len = tl.load(seq_lens_ptr + b)
+    else:
+        seq_len = q_len
+    # The new tokens are the last q_len of the context: query i sits at position ctx + i.
+    ctx = seq_len - q_len
+    kvh = h // GROUP
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q_mask = m_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=q_mask)
+    q_pos = ctx + offs_m
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    # Keys before the tile's first query position are visible to every row: no mask there.
+    n_full = ((ctx + m_block * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
+    n_end = tl.minimum(seq_len, ctx + (m_block + 1) * BLOCK_M)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, q_start, 0, n_full, seq_len,
+        stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PAGED, False, PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, q_start, n_full, n_end, seq_len,
+        stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PAGED, True, PRECISION,
+    )  # fmt: skip
+    out = acc / l_i[:, None]
+    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _tiles(head_dim: int, max_seqlen_q: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for this head_dim and longest query chunk."""
+    if interpreting():
+        return 16, 16, 4, 1
+    block_m = 128 if max_seqlen_q > 64 else max(16, pow2(max_seqlen_q))
+    if head_dim > 128:
+        return min(block_m, 64), 32, 4, 2
+    return block_m, 64, 8 if block_m == 128 else 4, 3
+
+
+def launch_attention(
+    q, k, v, cu_seqlens, seq_lens, block_tables, scale, max_seqlen_q, paged, tiles=None
+) -> torch.Tensor:
+    """Launch the kernel on checked arguments, K/V paged ([NB, BS, Hk, D] caches) or contiguous
+    ([T, Hk, D]); tiles = (BLOCK_M, BLOCK_N, num_warps, num_stages) or None for the default.
+    paged_attention / varlen_attention are the entry points; this serves tests and benchmarks."""
+    T, HQ, D = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    B = cu_seqlens.shape[0] - 1
+    if T == 0 or B == 0:
+        return out
+    HK = k.shape[-2]
+    block_m, block_n, num_warps, num_stages = tiles or _tiles(D, max_seqlen_q)
+    if paged:
+        strides_k = (k.stride(0), k.stride(1), k.stride(2))
+        strides_v = (v.stride(0), v.stride(1), v.stride(2))
+        page_size, stride_bt = k.shape[1], block_tables.stride(0)
+    else:
+        strides_k = (0, k.stride(0), k.stride(1))
+        strides_v = (0, v.stride(0), v.stride(1))
+        page_size, stride_bt = 1, 0
+    grid = (triton.cdiv(max_seqlen_q, block_m), HQ, B)
+    _attention_kernel[grid](
+        q, k, v, out, cu_seqlens,
+        seq_lens if paged else cu_seqlens, block_tables if paged else cu_seqlens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *strides_k, *strides_v, stride_bt,
+        scale * _LOG2E,
+        GROUP=HQ // HK, HEAD_DIM=D, BLOCK_D=pow2(D), BLOCK_M=block_m, BLOCK_N=block_n,
+        PAGE_SIZE=page_size, PAGED=paged,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+def _check_q(op: str, q: torch.Tensor, kv_heads: int, head_dim: int) -> None:
+    check(q.dim() == 3, f"{op}: q must be [T, Hq, D], got {tuple(q.shape)}")
+    check(q.shape[2] == head_dim, f"{op}: q head_dim {q.shape[2]} != K/V head_dim {head_dim}")
+    check(q.shape[1] % kv_heads == 0, f"{op}: Hq={q.shape[1]} is not a multiple of Hk={kv_heads}")
+    check(q.stride(2) == 1, f"{op}: q needs a contiguous last dim, got strides {q.stride()}")
+    check_dtype(op, "q", q)
+
+
+def _check_meta(op: str, cu_seqlens: torch.Tensor, *int32s: torch.Tensor) -> None:
+    for t in (cu_seqlens, *int32s):
+        check(t.dtype == torch.int32, f"{op}: sequence metadata must be int32, got {t.dtype}")
+        check(t.is_contiguous(), f"{op}: sequence metadata must be contiguous")
+    check(cu_seqlens.dim() == 1 and cu_seqlens.shape[0] >= 1, f"{op}: cu_seqlens must be [B+1]")
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+) -> torch.Tensor:
+    """Causal attention of a ragged batch of new tokens over their paged context, Triton kernel.
+
+    Sequence b's new tokens q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] sit at the last q_len_b positions
+    of its seq_lens[b] context; query j attends to key positions 0 .. seq_lens[b] - q_len_b + j,
+    read through block_tables[b] (their K/V are already in the cache).
+
+    Args:
+        q: [T, Hq, D] (bf16/fp16/fp32), last dim contiguous.
+        k_cache, v_cache: [NB, BS, Hk, D], BS a power of two, Hq % Hk == 0, q's dtype.
+        cu_seqlens_q: [B+1] int32.
+        seq_lens: [B] int32, context length after this step (cached + new).
+        block_tables: [B, MB] int32.
+        scale: softmax scale (usually D ** -0.5).
+        max_seqlen_q: max q_len_b (host int; sizes the grid without a sync).
+
+    Returns:
+        [T, Hq, D] in q.dtype.
+    """
+    op = "paged_attention"
+    check(
+        k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
+        f"{op}: caches must be [NB, BS, Hk, D], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}",
+    )
+    _check_q(op, q, k_cache.shape[2], k_cache.shape[3])
+    check(
+        k_cache.dtype == v_cache.dtype == q.dtype,
+        f"{op}: q, k_cache and v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}",
+    )
+    check(
+        k_cache.stride(3) == 1 and v_cache.stride(3) == 1,
+        f"{op}: caches need a contiguous last dim",
+    )
+    bs = k_cache.shape[1]
+    check(bs & (bs - 1) == 0, f"{op}: cache block size {bs} must be a power of two")
+    _check_meta(op, cu_seqlens_q, seq_lens, block_tables)
+    B = cu_seqlens_q.shape[0] - 1
+    check(seq_lens.shape == (B,), f"{op}: seq_lens must be [{B}], got {tuple(seq_lens.shape)}")
+    check(
+        block_tables.dim() == 2 and block_tables.shape[0] == B,
+        f"{op}: block_tables must be [{B}, MB], got {tuple(block_tables.shape)}",
+    )
+    check(max_seqlen_q >= 1, f"{op}: max_seqlen_q must be >= 1, got {max_seqlen_q}")
+    check_launchable(op, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
+    return launch_attention(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, True
+    )
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention within each sequence of a ragged batch, no cache, Triton kernel.
+
+    Args:
+        q: [T, Hq, D]; k, v: [T, Hk, D] (same dtype, last dim contiguous).
+        cu_seqlens: [B+1] int32 offsets of each sequence in the flat batch.
+        max_seqlen: longest sequence (host int).
+        scale: softmax scale.
+
+    Returns:
+        [T, Hq, D] in q.dtype.
+    """
+    op = "varlen_attention"
+    check(
+        k.dim() == 3 and k.shape == v.shape,
+        f"{op}: k and v must be [T, Hk, D], got {tuple(k.shape)}, {tuple(v.shape)}",
+    )
+    _check_q(op, q, k.shape[1], k.shape[2])
+    check(k.shape[0] == q.shape[0], f"{op}: k has {k.shape[0]} tokens, q has {q.shape[0]}")
+    check(
+        k.dtype == v.dtype == q.dtype,
+        f"{op}: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}",
+    )
+    check(k.stride(2) == 1 and v.stride(2) == 1, f"{op}: k and v need a contiguous last dim")
+    _check_meta(op, cu_seqlens)
+    check(max_seqlen >= 1, f"{op}: max_seqlen must be >= 1, got {max_seqlen}")
+    check_launchable(op, q, k, v, cu_seqlens)
+    return launch_attention(q, k, v, cu_seqlens, cu_seqlens, cu_seqlens, scale, max_seqlen, False)
+
+
+def causal_attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One sequence: q [Lq, Hq, D] are the last Lq of the Lk positions of k, v [Lk, Hk, D].
+
+    Softmax in fp32 with a causal mask; returns [Lq, Hq, D] in q.dtype.
+    """
+    lq, hq, _ = q.shape
+    lk, hk, _ = k.shape
+    group = hq // hk
+    kf = k.float().repeat_interleave(group, dim=1)  # [Lk, Hq, D]
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale  # [Hq, Lq, Lk]
+    q_pos = torch.arange(lk - lq, lk, device=q.device)[:, None]
+    visible = torch.arange(lk, device=q.device)[None, :] <= q_pos  # [Lq, Lk]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, vf).to(q.dtype)
+
+
+def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len tokens of one sequence's K or V: [seq_len, Hk, D] from [NB, BS, Hk, D]."""
+    num_blocks = -(-seq_len // cache.shape[1])
+    blocks = cache[block_table[:num_blocks].long()]  # [nb, BS, Hk, D]
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+) -> torch.Tensor:
+    """Torch reference of paged_attention: per sequence, gather K/V through the block table."""
+    out = torch.empty_like(q)
+    offsets = cu_seqlens_q.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        start, end = offsets[b], offsets[b + 1]
+        if end == start:
+            continue
+        k = gather_kv_ref(k_cache, block_tables[b], seq_len)
+        v = gather_kv_ref(v_cache, block_tables[b], seq_len)
+        out[start:end] = causal_attention_ref(q[start:end], k, v, scale)
+    return out
+
+
+def varlen_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float,
+) -> torch.Tensor:
+    """Torch reference of varlen_attention: causal attention within each sequence."""
+    out = torch.empty_like(q)
+    offsets = cu_seqlens.tolist()
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        if end > start:
+            out[start:end] = causal_attention_ref(q[start:end], k[start:end], v[start:end], scale)
+    return out

@@ -1,0 +1,142 @@
+"""RMSNorm and residual-add + RMSNorm (HF LlamaRMSNorm semantics): Triton kernel and reference."""
+
+from __future__ import annotations
+
+import torch
+
+from .launch import check, check_dtype, check_launchable, pow2, tl, triton
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_res_out,
+    H,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One program per row; the whole row [H] sits in registers (H <= 16k).
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        # HF adds in the activation dtype: round the sum before normalising it.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, axis=0) / H
+    normed = (h * tl.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    # HF multiplies by the weight after casting back: one rounding of an exact fp32 product.
+    out = w.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_args(op: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+    check(x.dim() == 2, f"{op}: x must be [T, H], got shape {tuple(x.shape)}")
+    check(
+        weight.shape == (x.shape[1],),
+        f"{op}: weight must be [{x.shape[1]}], got {tuple(weight.shape)}",
+    )
+    check(x.stride(1) == 1, f"{op}: x rows must be contiguous (stride(1) == 1), got {x.stride()}")
+    check(weight.is_contiguous(), f"{op}: weight must be contiguous")
+    check_dtype(op, "x", x)
+    check_dtype(op, "weight", weight)
+    check_launchable(op, x, weight)
+
+
+def _launch(x, residual, weight, eps, out, res_out) -> None:
+    T, H = x.shape
+    if T == 0:
+        return
+    block = pow2(H)
+    num_warps = min(max(block // 512, 1), 16)
+    _rms_norm_kernel[(T,)](
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        res_out if res_out is not None else out,
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0),
+        res_out.stride(0) if res_out is not None else 0,
+        H,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row, Triton kernel.
+
+    Args:
+        x: [T, H] activations (bf16/fp16/fp32), rows contiguous.
+        weight: [H] scale.
+        eps: added to the mean square.
+
+    Returns:
+        [T, H] in x.dtype: weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), statistics in fp32.
+    """
+    _check_args("rms_norm", x, weight)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _launch(x, None, weight, eps, out, None)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm in one pass, Triton kernel.
+
+    Args:
+        x: [T, H] layer output.
+        residual: [T, H] running residual stream, same dtype as x.
+        weight: [H] scale.
+        eps: added to the mean square.
+
+    Returns:
+        (normed [T, H], new_residual [T, H]) with new_residual = x + residual (in x.dtype) and
+        normed = rms_norm(new_residual).
+    """
+    op = "fused_add_rms_norm"
+    _check_args(op, x, weight)
+    check(
+        residual.shape == x.shape, f"{op}: residual {tuple(residual.shape)} != x {tuple(x.shape)}"
+    )
+    check(residual.dtype == x.dtype, f"{op}: residual dtype {residual.dtype} != x dtype {x.dtype}")
+    check(
+        residual.stride(1) == 1, f"{op}: residual rows must be contiguous, got {residual.stride()}"
+    )
+    check_launchable(op, x, residual)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    res_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _launch(x, residual, weight, eps, out, res_out)
+    return out, res_out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Torch reference of rms_norm, exactly HF LlamaRMSNorm.forward (any leading dims)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h.to(x.dtype)).to(x.dtype)
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of fused_add_rms_norm: HF's `hidden = residual + hidden`, then the norm."""
+    new_residual = residual + x
+    return rms_norm_ref(new_residual, weight, eps), new_residual

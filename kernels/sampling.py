@@ -1,0 +1,190 @@
+"""Per-request counter-based RNG and fused Gumbel-max sampling: Triton kernels and references.
+
+The noise for token i of a request is a pure function of (seed, step, i), so a request samples
+the same tokens whatever else shares its batch, across resumes, and on CPU or GPU. The integer
+hash is defined once by the torch reference (int64 tensors masked to 32 bits) and reproduced
+bit for bit by the kernel in uint32 arithmetic.
+
+Hash: lowbias32 (Chris Wellons' 32-bit mixer) applied as
+    k1 = mix(mix(mix(mix(seed_hi + 0x9E3779B9) ^ seed_lo) ^ step_lo) ^ step_hi)
+    k2 = mix(k1 ^ 0x85EBCA6B)
+    x  = mix(mix(i ^ k1) ^ k2)
+    u  = ((x >> 9) + 0.5) * 2^-23
+u takes the top 23 bits with a half-step offset: every value, (0.5 .. 2^23 - 0.5) * 2^-23, is
+exact in float32, so u is never 0 nor 1 (with 24 bits the top values would round up to 1.0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .launch import check, check_launchable, tl, triton
+
+_M32 = 0xFFFFFFFF
+_C1, _C2 = 0x7FEB352D, 0x846CA68B
+_GOLDEN, _K2 = 0x9E3779B9, 0x85EBCA6B
+_BLOCK_V = 2048
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    # (x * c) mod 2^32 for 0 <= x < 2^32 without int64 overflow: split c into 16-bit halves.
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix_ref(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, _C1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _C2)
+    return x ^ (x >> 16)
+
+
+def _row_keys_ref(seeds: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    h = _mix_ref((hi + _GOLDEN) & _M32)
+    h = _mix_ref(h ^ lo)
+    h = _mix_ref(h ^ (steps & _M32))
+    k1 = _mix_ref(h ^ ((steps >> 32) & _M32))
+    return k1, _mix_ref(k1 ^ _K2)
+
+
+def uniform_noise_ref(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Counter-based uniforms u(seed, step, i) for every token i of every row.
+
+    Args:
+        seeds: [B] int64 per-request seeds (any int64 value).
+        steps: [B] int64 per-request step counters (>= 0).
+        vocab_size: V.
+
+    Returns:
+        [B, V] float32 in (0, 1), on seeds' device.
+    """
+    k1, k2 = _row_keys_ref(seeds.long(), steps.long())
+    idx = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)[None, :]
+    x = _mix_ref(_mix_ref(idx ^ k1[:, None]) ^ k2[:, None])
+    return ((x >> 9).float() + 0.5) * (2.0**-23)
+
+
+def gumbel_argmax_ref(
+    logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+) -> torch.Tensor:
+    """Torch reference of gumbel_argmax: argmax(logits - log(-log(u))), [B] int64."""
+    u = uniform_noise_ref(seeds, steps, logits.shape[1]).to(logits.device)
+    return torch.argmax(logits.float() - torch.log(-torch.log(u)), dim=-1)
+
+
+@triton.jit
+def _mix(x):
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _row_keys(seeds_ptr, steps_ptr, row):
+    seed = tl.load(seeds_ptr + row)
+    step = tl.load(steps_ptr + row)
+    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    h = _mix(hi + 0x9E3779B9)
+    h = _mix(h ^ lo)
+    h = _mix(h ^ (step & 0xFFFFFFFF).to(tl.uint32))
+    k1 = _mix(h ^ ((step >> 32) & 0xFFFFFFFF).to(tl.uint32))
+    return k1, _mix(k1 ^ 0x85EBCA6B)
+
+
+@triton.jit
+def _uniform(idx, k1, k2):
+    x = _mix(_mix(idx.to(tl.uint32) ^ k1) ^ k2)
+    return ((x >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
+
+
+@triton.jit
+def _uniform_noise_kernel(seeds_ptr, steps_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    # Grid (B, cdiv(V, BLOCK)).
+    row = tl.program_id(0).to(tl.int64)
+    k1, k2 = _row_keys(seeds_ptr, steps_ptr, row)
+    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + row * V + idx, _uniform(idx, k1, k2), mask=idx < V)
+
+
+@triton.jit
+def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, out_ptr, stride_row, V,
+                          BLOCK: tl.constexpr):  # fmt: skip
+    # One program per row: running per-lane best (score, index) over V tiles, then the lowest
+    # index among the lanes holding the maximum (torch.argmax's first-occurrence rule).
+    row = tl.program_id(0).to(tl.int64)
+    k1, k2 = _row_keys(seeds_ptr, steps_ptr, row)
+    best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    best_idx = tl.arange(0, BLOCK)
+    for start in range(0, V, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        mask = idx < V
+        x = tl.load(logits_ptr + row * stride_row + idx, mask=mask, other=float("-inf"))
+        score = x - tl.log(-tl.log(_uniform(idx, k1, k2)))
+        score = tl.where(mask, score, float("-inf"))
+        take = score > best
+        best = tl.where(take, score, best)
+        best_idx = tl.where(take, idx, best_idx)
+    top = tl.max(best, 0)
+    tl.store(out_ptr + row, tl.min(tl.where(best == top, best_idx, V), 0).to(tl.int64))
+
+
+def _check_rows(op: str, seeds: torch.Tensor, steps: torch.Tensor, rows: int) -> None:
+    check(
+        seeds.shape == (rows,) and seeds.dtype == torch.int64,
+        f"{op}: seeds must be [{rows}] int64, got {tuple(seeds.shape)} {seeds.dtype}",
+    )
+    check(
+        steps.shape == (rows,) and steps.dtype == torch.int64,
+        f"{op}: steps must be [{rows}] int64, got {tuple(steps.shape)} {steps.dtype}",
+    )
+    check(
+        seeds.is_contiguous() and steps.is_contiguous(), f"{op}: seeds and steps must be contiguous"
+    )
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Triton version of uniform_noise_ref (bit-identical); materialises [B, V] float32."""
+    op = "uniform_noise"
+    _check_rows(op, seeds, steps, seeds.shape[0])
+    check_launchable(op, seeds, steps)
+    out = torch.empty((seeds.shape[0], vocab_size), dtype=torch.float32, device=seeds.device)
+    if out.numel():
+        grid = (seeds.shape[0], triton.cdiv(vocab_size, _BLOCK_V))
+        _uniform_noise_kernel[grid](seeds, steps, out, vocab_size, BLOCK=_BLOCK_V, num_warps=8)
+    return out
+
+
+def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Sample one token per row by Gumbel-max with counter-based noise, Triton kernel.
+
+    Args:
+        logits: [B, V] float32, already temperature-scaled and filtered (-inf allowed); rows
+            contiguous.
+        seeds: [B] int64 per-request seeds.
+        steps: [B] int64 per-request step counters (the noise of step s is independent of s+1).
+
+    Returns:
+        [B] int64 token ids, the same as gumbel_argmax_ref picks.
+    """
+    op = "gumbel_argmax"
+    check(
+        logits.dim() == 2 and logits.dtype == torch.float32,
+        f"{op}: logits must be [B, V] float32, got {tuple(logits.shape)} {logits.dtype}",
+    )
+    check(
+        logits.stride(1) == 1,
+        f"{op}: logits rows must be contiguous, got strides {logits.stride()}",
+    )
+    _check_rows(op, seeds, steps, logits.shape[0])
+    check_launchable(op, logits, seeds, steps)
+    out = torch.empty((logits.shape[0],), dtype=torch.int64, device=logits.device)
+    if logits.shape[0]:
+        _gumbel_argmax_kernel[(logits.shape[0],)](
+            logits, seeds, steps, out, logits.stride(0), logits.shape[1], BLOCK=_BLOCK_V,
+            num_warps=8,
+        )  # fmt: skip
+    return out

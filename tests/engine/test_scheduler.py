@@ -1,0 +1,414 @@
+"""Scheduler: driven by a fake model that checks every KV slot it reads was written right."""
+
+import random
+
+import pytest
+
+from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.sequence import Sequence, SequenceStatus
+from batchgen.sampling_params import SamplingParams
+
+VOCAB = 100
+EOS = 99
+
+
+def next_token(tokens):
+    """The fake model: a deterministic function of the context."""
+    return (tokens[-1] + 1) % VOCAB
+
+
+class FakeRunner:
+    """Plays the model runner: writes each computed token into its KV slot, and before that
+    checks that every earlier position of the sequence reads back its own token, so a wrong
+    prefix hit, a bad fork or a lost block shows up as a mismatch."""
+
+    def __init__(self, sched):
+        self.sched = sched
+        self.bm = sched.block_manager
+        self.kv = {}  # (block_id, offset) -> token id
+        self.steps = []  # per step: [(seq_id, start, num_new, samples)]
+
+    def slot(self, seq, pos):
+        bs = self.bm.block_size
+        return seq.block_table[pos // bs], pos % bs
+
+    def step(self, out):
+        sampled = {}
+        for s in out.scheduled:
+            seq = s.seq
+            assert s.start == seq.num_computed_tokens and s.num_new_tokens >= 1
+            assert s.start + s.num_new_tokens <= seq.num_tokens
+            assert len(seq.block_table) * self.bm.block_size >= s.start + s.num_new_tokens
+            for pos in range(s.start):
+                assert self.kv.get(self.slot(seq, pos)) == seq.token_ids[pos], (seq, pos)
+            for pos in range(s.start, s.start + s.num_new_tokens):
+                block = self.bm.blocks[self.slot(seq, pos)[0]]
+                # Never write into a shared or prefix-cached block.
+                assert block.ref_count == 1 and block.block_hash is None, (seq, pos, block)
+                self.kv[self.slot(seq, pos)] = seq.token_ids[pos]
+            assert s.samples == (not seq.is_score and s.start + s.num_new_tokens == seq.num_tokens)
+            if s.samples:
+                sampled[seq.seq_id] = next_token(seq.token_ids)
+        self.steps.append(
+            [(s.seq.seq_id, s.start, s.num_new_tokens, s.samples) for s in out.scheduled]
+        )
+        return sampled
+
+
+def check_invariants(sched, seqs):
+    bm = sched.block_manager
+    holders = {}
+    for seq in seqs:
+        assert seq.num_computed_tokens <= seq.num_tokens
+        if seq.status is not SequenceStatus.RUNNING:
+            assert seq.block_table == [] and seq.num_computed_tokens == 0 or seq.is_finished
+        assert len(seq.block_table) == len(set(seq.block_table))
+        for b in seq.block_table:
+            holders[b] = holders.get(b, 0) + 1
+    for block in bm.blocks:
+        assert block.ref_count == holders.get(block.block_id, 0), block
+        assert (block.ref_count == 0) == (block.block_id in bm.free_queue), block
+    assert bm.num_used_blocks + bm.num_free_blocks == bm.num_blocks
+    assert sched.num_running <= sched.max_num_seqs
+    assert set(map(id, sched.running)).isdisjoint(map(id, sched.waiting))
+
+
+def run_to_completion(sched, seqs, runner=None, max_steps=10_000):
+    """Add seqs, step until done; return the runner (pass it on to keep its KV). Fails on a hang."""
+    for seq in seqs:
+        assert sched.add(seq) is None
+    runner = runner or FakeRunner(sched)
+    finished = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
+        assert out.num_batched_tokens <= sched.max_num_batched_tokens
+        assert len(out.scheduled) <= sched.max_num_seqs
+        assert len({s.seq.seq_id for s in out.scheduled}) == len(out.scheduled)
+        finished += sched.postprocess(out, runner.step(out))
+        check_invariants(sched, seqs)
+    else:
+        pytest.fail("sequences did not finish")
+    assert sorted(s.seq_id for s in finished) == sorted(s.seq_id for s in seqs)
+    assert all(s.is_finished for s in seqs)
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+    return runner
+
+
+def expected_output(prompt, params, max_model_len=10_000):
+    tokens, out = list(prompt), []
+    while True:
+        t = next_token(tokens)
+        tokens.append(t)
+        out.append(t)
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else {EOS})
+        if len(out) >= params.min_tokens and t in stops:
+            return out, "stop"
+        if len(out) == params.max_tokens or len(tokens) == max_model_len:
+            return out, "length"
+
+
+def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=512, **kw):
+    bm = BlockManager(num_blocks, block_size, kw.pop("enable_prefix_caching", True))
+    return Scheduler(
+        bm,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        eos_token_ids=frozenset({EOS}),
+    )
+
+
+def gen(seq_id, prompt, **params):
+    return Sequence(seq_id, f"r{seq_id}", list(prompt), SamplingParams(**params))
+
+
+def assert_expected(seqs, max_model_len=10_000):
+    for seq in seqs:
+        out, reason = expected_output(seq.prompt_token_ids, seq.params, max_model_len)
+        assert (seq.output_token_ids, seq.finish_reason) == (out, reason), seq
+
+
+def test_all_sequences_finish_with_expected_tokens():
+    sched = make_sched()
+    seqs = [
+        gen(i, [(7 * i + j) % 90 for j in range(3 + 5 * i)], max_tokens=4 + 3 * i) for i in range(8)
+    ]
+    run_to_completion(sched, seqs)
+    assert_expected(seqs)
+    assert any(s.finish_reason == "stop" for s in seqs)  # some reach EOS (99) on the way
+    assert any(s.finish_reason == "length" for s in seqs)
+
+
+def test_chunked_prefill_alongside_decodes():
+    sched = make_sched(budget=8)
+    short = [gen(i, [i], max_tokens=20) for i in range(3)]
+    long = gen(9, [j % 50 for j in range(40)], max_tokens=3)
+    for seq in short:
+        sched.add(seq)
+    runner = FakeRunner(sched)
+    sched.postprocess(out := sched.schedule(), runner.step(out))  # 3 short prompts prefilled
+    sched.add(long)
+    mixed_steps = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        assert out.num_batched_tokens <= 8
+        entries = {s.seq.seq_id: s for s in out.scheduled}
+        if 9 in entries and not entries[9].samples and len(entries) > 1:
+            mixed_steps += 1
+            assert entries[9].num_new_tokens == 8 - (len(entries) - 1)
+            assert all(entries[i].num_new_tokens == 1 for i in entries if i != 9)
+        sched.postprocess(out, runner.step(out))
+    assert mixed_steps >= 4  # 40-token prompt over >= 5 chunks, decodes running beside it
+    assert_expected(short + [long])
+
+
+def test_budget_exhausted_by_running_blocks_admission():
+    sched = make_sched(budget=4)
+    a = gen(0, range(10), max_tokens=2)
+    b = gen(1, range(3), max_tokens=2)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(s.seq.seq_id, s.start, s.num_new_tokens, s.samples) for s in out.scheduled] == [
+        (0, 0, 4, False)
+    ]
+    assert a.status is SequenceStatus.RUNNING and b.status is SequenceStatus.WAITING
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_preemption_gives_same_outputs(caching):
+    def workload():
+        rng = random.Random(3)
+        return [
+            gen(
+                i,
+                [rng.randrange(90) for _ in range(rng.randint(1, 20))],
+                max_tokens=rng.randint(1, 30),
+            )
+            for i in range(12)
+        ]
+
+    roomy = workload()
+    run_to_completion(make_sched(num_blocks=256, enable_prefix_caching=caching), roomy)
+    tight = workload()
+    sched = make_sched(num_blocks=14, enable_prefix_caching=caching)
+    run_to_completion(sched, tight)
+    assert sched.num_preemptions > 0
+    assert any(s.num_preemptions > 0 for s in tight)
+    for a, b in zip(roomy, tight):
+        assert (a.output_token_ids, a.finish_reason) == (b.output_token_ids, b.finish_reason)
+    assert_expected(tight)
+
+
+def test_sequence_that_must_preempt_itself():
+    # Two sequences each needing all blocks at the end: the newer one is preempted, then the
+    # older one outgrows the rest and runs alone; both finish.
+    sched = make_sched(num_blocks=4, block_size=4, budget=64)
+    seqs = [
+        gen(0, [1] * 6, max_tokens=10, ignore_eos=True),
+        gen(1, [2] * 6, max_tokens=10, ignore_eos=True),
+    ]
+    run_to_completion(sched, seqs)
+    assert sched.num_preemptions >= 1
+    assert_expected(seqs)
+
+
+def test_add_rejects_prompt_too_long_and_cannot_fit():
+    sched = make_sched(num_blocks=4, block_size=4, max_model_len=20)
+    err = sched.add(gen(0, range(15), max_tokens=6))
+    assert err.code == "prompt_too_long"
+    assert "15" in err.message and "max_model_len=20" in err.message and "max_tokens" in err.message
+    err = sched.add(gen(1, range(10), max_tokens=8))  # 17 KV tokens > 4 blocks x 4
+    assert err.code == "cannot_fit" and "num_kv_blocks" in err.message and "4" in err.message
+    assert sched.add(gen(2, range(10), max_tokens=7)) is None  # 16 KV tokens: exactly fits
+    score = Sequence(3, "s", list(range(21)), SamplingParams(), score_from=10)
+    assert sched.add(score).code == "prompt_too_long"
+    assert sched.num_waiting == 1
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_n4_siblings_fork_parent_prompt_blocks(caching):
+    sched = make_sched(block_size=4, enable_prefix_caching=caching)
+    prompt = list(range(10, 20))  # 10 tokens: 2 full blocks + 2 tokens
+    parent = gen(0, prompt, max_tokens=5, ignore_eos=True)
+    siblings = [
+        Sequence(i, "r0", prompt, parent.params, sample_index=i, parent=parent) for i in range(1, 4)
+    ]
+    for seq in [parent, *siblings]:
+        assert sched.add(seq) is None
+    runner = FakeRunner(sched)
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == [parent]  # siblings wait for the parent's prompt
+    sched.postprocess(out, runner.step(out))
+    out = sched.schedule()
+    bm = sched.block_manager
+    assert bm.num_used_blocks == 3 + 3  # parent's 3 blocks + one own block per sibling
+    for sib in siblings:
+        assert sib.block_table[:2] == parent.block_table[:2]
+        assert sib.num_cached_tokens == 8 and sib.parent is None
+    assert [bm.blocks[b].ref_count for b in parent.block_table] == [4, 4, 1]
+    assert [(s.start, s.num_new_tokens) for s in out.scheduled] == [(10, 1)] + [(8, 2)] * 3
+    sched.postprocess(out, runner.step(out))
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sched.postprocess(out, runner.step(out))
+        check_invariants(sched, [parent, *siblings])
+    assert_expected([parent, *siblings])
+    assert bm.num_cache_hit_tokens == 3 * 8 and bm.num_cache_queries_tokens == 4 * 10
+
+
+def test_siblings_served_when_parent_aborted_or_preempted():
+    sched = make_sched(num_blocks=6, block_size=4, budget=4)
+    prompt = list(range(20, 30))
+    parent = gen(0, prompt, max_tokens=4)
+    sibs = [Sequence(i, "r0", prompt, parent.params, sample_index=i, parent=parent) for i in (1, 2)]
+    for seq in [parent, *sibs]:
+        sched.add(seq)
+    runner = FakeRunner(sched)
+    out = sched.schedule()  # first chunk of the parent's prompt
+    sched.postprocess(out, runner.step(out))
+    sched.finish(parent, "abort")
+    assert parent.finish_reason == "abort" and sched.block_manager.num_free_blocks == 6
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sched.postprocess(out, runner.step(out))
+        check_invariants(sched, [parent, *sibs])
+    assert_expected(sibs)
+
+
+def test_min_tokens_suppresses_stop():
+    prompt = [96]  # next tokens: 97, 98, 99 (EOS), 0, 1, ...
+    plain, held = gen(0, prompt, max_tokens=10), gen(1, prompt, max_tokens=10, min_tokens=5)
+    run_to_completion(make_sched(), [plain, held])
+    assert plain.output_token_ids == [97, 98, 99] and plain.finish_reason == "stop"
+    assert held.output_token_ids == [97, 98, 99, 0, 1, 2, 3, 4, 5, 6]
+    assert held.finish_reason == "length"
+
+
+def test_ignore_eos_and_stop_token_ids():
+    a = gen(0, [96], max_tokens=6, ignore_eos=True)
+    b = gen(1, [96], max_tokens=6, ignore_eos=True, stop_token_ids=[1])
+    c = gen(2, [10], max_tokens=6, stop_token_ids=[12], min_tokens=2)
+    run_to_completion(make_sched(), [a, b, c])
+    assert a.output_token_ids == [97, 98, 99, 0, 1, 2] and a.finish_reason == "length"
+    assert b.output_token_ids == [97, 98, 99, 0, 1] and b.finish_reason == "stop"
+    assert c.output_token_ids == [11, 12] and c.finish_reason == "stop"
+
+
+def test_max_model_len_stop():
+    sched = make_sched(max_model_len=12)
+    seq = gen(0, range(4), max_tokens=8, ignore_eos=True)
+    run_to_completion(sched, [seq])
+    assert seq.num_tokens == 12 and seq.finish_reason == "length"
+
+
+def test_score_sequences_finish_without_sampling():
+    sched = make_sched(block_size=4, budget=6)
+    prompt = list(range(30, 43))  # 13 tokens
+    scores = [
+        Sequence(i, "s", prompt + [50 + i] * (i + 2), SamplingParams(), score_from=len(prompt))
+        for i in range(3)
+    ]
+    runner = run_to_completion(sched, scores[:1])
+    run_to_completion(sched, scores[1:], runner)
+    for step in runner.steps:
+        assert not any(samples for *_, samples in step)
+    for seq in scores:
+        assert seq.finish_reason == "score" and seq.num_output_tokens == 0
+    # Later candidates reuse the prompt's blocks, but at most score_from - 1 = 12 tokens:
+    # the logits at position 12 (predicting the first candidate token) must be recomputed.
+    assert [s.num_cached_tokens for s in scores] == [0, 12, 12]
+    starts = {}
+    for step in runner.steps:
+        for seq_id, start, _, _ in step:
+            starts.setdefault(seq_id, start)
+    assert starts == {0: 0, 1: 12, 2: 12}
+
+
+def test_max_num_seqs():
+    sched = make_sched(max_num_seqs=2, budget=64)
+    seqs = [gen(i, [i], max_tokens=3, ignore_eos=True) for i in range(5)]
+    runner = run_to_completion(sched, seqs)
+    assert max(len(step) for step in runner.steps) == 2
+    assert_expected(seqs)
+
+
+def test_prefix_cache_hits_across_requests():
+    sched = make_sched(block_size=4, budget=64)
+    system = list(range(40, 56))  # 16 tokens: 4 full blocks
+    first = gen(0, system + [1, 2], max_tokens=2)
+    runner = run_to_completion(sched, [first])
+    later = [gen(i, system + [i, 3], max_tokens=2) for i in range(1, 4)]
+    run_to_completion(sched, later, runner)
+    assert [s.num_cached_tokens for s in later] == [16, 16, 16]
+    assert_expected([first, *later])
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_randomized_invariants(seed):
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4, 8])
+    max_model_len = rng.randint(16, 80)
+    num_blocks = rng.randint(-(-max_model_len // block_size), 3 * max_model_len // block_size + 2)
+    sched = make_sched(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=rng.randint(1, 8),
+        budget=rng.randint(1, 40),
+        max_model_len=max_model_len,
+        enable_prefix_caching=rng.random() < 0.7,
+    )
+    shared = [rng.randrange(VOCAB) for _ in range(rng.randint(0, 30))]  # common prefixes
+    seqs, seq_id = [], 0
+    for _ in range(rng.randint(1, 14)):
+        plen = rng.randint(1, max_model_len - 1)
+        prompt = (
+            shared[: rng.randint(0, len(shared))] + [rng.randrange(VOCAB) for _ in range(plen)]
+        )[:plen]
+        if rng.random() < 0.2 and plen >= 2:
+            seqs.append(
+                Sequence(seq_id, "s", prompt, SamplingParams(), score_from=rng.randint(1, plen - 1))
+            )
+            seq_id += 1
+            continue
+        params = SamplingParams(
+            max_tokens=rng.randint(1, max(1, max_model_len - plen)), ignore_eos=rng.random() < 0.5
+        )
+        first = Sequence(seq_id, f"r{seq_id}", prompt, params)
+        seqs.append(first)
+        seq_id += 1
+        for k in range(1, rng.choice([1, 1, 2, 4])):
+            seqs.append(
+                Sequence(seq_id, first.request_id, prompt, params, sample_index=k, parent=first)
+            )
+            seq_id += 1
+    accepted = [s for s in seqs if sched.add(s) is None]
+    assert accepted
+    runner = FakeRunner(sched)
+    for _ in range(20_000):
+        if not sched.has_unfinished():
+            break
+        if rng.random() < 0.01:  # occasional abort
+            victim = rng.choice(list(sched.running) + list(sched.waiting))
+            sched.finish(victim, "abort")
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        assert out.num_batched_tokens <= sched.max_num_batched_tokens
+        assert len(out.scheduled) <= sched.max_num_seqs
+        sched.postprocess(out, runner.step(out))
+        check_invariants(sched, accepted)
+    else:
+        pytest.fail("hang")
+    assert all(s.is_finished for s in accepted)
+    for seq in accepted:
+        if seq.finish_reason in ("stop", "length"):
+            out, reason = expected_output(seq.prompt_token_ids, seq.params, max_model_len)
+            assert (seq.output_token_ids, seq.finish_reason) == (out, reason)
+        elif seq.finish_reason == "score":
+            assert seq.num_output_tokens == 0
+    assert sched.block_manager.num_free_blocks == num_blocks

@@ -1,0 +1,133 @@
+"""Our models compute what transformers computes, loaded from the same directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from batchgen import LLM, SamplingParams
+from batchgen.layers.context import AttentionContext
+from batchgen.models.loader import load_model
+
+transformers = pytest.importorskip("transformers")
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+PROMPTS = [
+    "The committee measured the annual budget.",
+    "Summarize:",
+    "Our team reviewed the survey results in great detail before the deadline, on Monday.",
+    "A quiet morning",
+]
+
+
+def hf_model(path: str):
+    transformers.logging.set_verbosity_error()
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def ragged_logits(model, prompts: list[list[int]]) -> torch.Tensor:
+    ids = torch.tensor([t for p in prompts for t in p])
+    positions = torch.cat([torch.arange(len(p)) for p in prompts])
+    with torch.no_grad():
+        hidden = model(ids, positions, AttentionContext.for_prompts([len(p) for p in prompts]))
+        return model.compute_logits(hidden)  # [T, V]
+
+
+def assert_logits_match(path: str) -> None:
+    model, _ = load_model(path, "float32", "cpu")
+    ref_model = hf_model(path)
+    from batchgen.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(path)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    ours = ragged_logits(model, prompts)
+    with torch.no_grad():
+        ref = torch.cat([ref_model(torch.tensor([p])).logits[0] for p in prompts])
+    assert ours.shape == ref.shape
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_equal_transformers_on_ragged_batch(tiny_model_dir, arch):
+    assert_logits_match(tiny_model_dir(arch))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_continuation_equals_transformers(tiny_model_dir, arch):
+    path = tiny_model_dir(arch)
+    ref_model = hf_model(path)
+    llm = LLM(path, dtype="float32", num_kv_blocks=128, max_model_len=256)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = torch.tensor([llm.tokenizer.encode(prompt)])
+        with torch.no_grad():
+            ref = ref_model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1] :]
+        assert out.token_ids == ref.tolist()
+        assert out.finish_reason == ("stop" if len(out.token_ids) < 32 else "length")
+
+
+def _rewrite_config(src: str, dst: str, edit) -> str:
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    edit(config)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return dst
+
+
+def test_llama3_rope_scaling_published_dialect(tiny_model_dir, tmp_path):
+    def edit(config):
+        config["rope_theta"] = 500000.0
+        config["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+
+    assert_logits_match(_rewrite_config(tiny_model_dir("llama"), tmp_path / "m", edit))
+
+
+def test_transformers5_rope_parameters_dialect_loads_the_same(tiny_model_dir, tmp_path):
+    def edit(config):
+        theta = config.pop("rope_theta")
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+
+    path = _rewrite_config(tiny_model_dir("qwen3"), tmp_path / "m", edit)
+    from batchgen.models.config import ModelConfig
+
+    a, b = ModelConfig.from_dir(path), ModelConfig.from_dir(tiny_model_dir("qwen3"))
+    assert a == b
+    assert_logits_match(path)
+
+
+def test_rope_parameters_llama3_equals_published_llama3(tiny_model_dir, tmp_path):
+    scaling = {
+        "factor": 4.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+
+    def published(config):
+        config["rope_scaling"] = {"type": "llama3", **scaling}
+
+    def new_style(config):
+        config["rope_parameters"] = {
+            "rope_type": "llama3",
+            "rope_theta": config.pop("rope_theta"),
+            **scaling,
+        }
+
+    from batchgen.models.config import ModelConfig
+
+    a = ModelConfig.from_dir(_rewrite_config(tiny_model_dir("llama"), tmp_path / "a", published))
+    b = ModelConfig.from_dir(_rewrite_config(tiny_model_dir("llama"), tmp_path / "b", new_style))
+    assert a == b
+    assert a.rope_scaling["rope_type"] == "llama3"
