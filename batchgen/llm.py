@@ -40,14 +40,15 @@ class LLM:
     def generate(
         self,
         prompts: SequenceABC[str] | SequenceABC[list[int]],
-        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        sampling_params: SamplingParams | SequenceABC[SamplingParams | dict] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids).
 
         Args:
             prompts: strings (tokenized with the model's tokenizer, BOS added) or token-id lists.
-            sampling_params: one SamplingParams for all, or one per prompt.
+            sampling_params: one SamplingParams for all, or one per prompt (a SamplingParams or
+                a dict of its fields; an invalid dict makes that prompt's output an error).
             use_tqdm: show a progress bar with generated tokens/s.
 
         Returns:

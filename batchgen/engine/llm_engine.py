@@ -17,7 +17,7 @@ from batchgen.engine.stats import EngineStats
 from batchgen.models.config import ModelConfig
 from batchgen.models.tokenizer import Tokenizer
 from batchgen.outputs import RequestOutput
-from batchgen.sampling_params import SamplingParams
+from batchgen.sampling_params import SamplingParams, SamplingParamsError
 
 _SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -37,7 +37,8 @@ class LLMEngine:
         tokenizer: Tokenizer | None = None,
     ) -> None:
         self.config = config
-        self.tokenizer = tokenizer or Tokenizer.from_dir(config.model)
+        # A runner over a random-weight preset (benchmarks) has no tokenizer: token ids only.
+        self.tokenizer = tokenizer if tokenizer or runner else Tokenizer.from_dir(config.model)
         self.model_config = (
             runner.model_config if runner is not None else ModelConfig.from_dir(config.model)
         )
@@ -46,7 +47,8 @@ class LLMEngine:
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         self.runner = runner or ModelRunner(config, mc, self.max_model_len)
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
+        tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
+        self.eos_token_ids = frozenset(tokenizer_eos) | frozenset(mc.eos_token_ids)
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -67,15 +69,31 @@ class LLMEngine:
 
     # ---- requests in ---------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | dict | None = None,
     ) -> None:
-        """Queue a generation request (n samples share the prompt's KV blocks)."""
-        params = params or SamplingParams()
+        """Queue a generation request (n samples share the prompt's KV blocks).
+
+        `params` may be a dict of SamplingParams fields; invalid ones make an error output.
+        """
         ids = self._prompt_ids(request_id, prompt)
         if ids is None:
             return
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            try:
+                params = SamplingParams(**params)
+            except (SamplingParamsError, TypeError) as e:
+                self._reject(request_id, ids, "bad_params", str(e))
+                return
         if not isinstance(params, SamplingParams):
             self._reject(request_id, ids, "bad_params", f"expected SamplingParams, got {params!r}")
+            return
+        if params.stop and self.tokenizer is None:
+            self._reject(request_id, ids, "bad_params", "stop strings need a tokenizer")
             return
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seqs: list[Sequence] = []
@@ -154,7 +172,7 @@ class LLMEngine:
             request.seqs.append(seq)
         self._track(request, sum(s.num_tokens for s in request.seqs))
         if not request.seqs:
-            self._ready.append(request.output(self.tokenizer.decode))
+            self._ready.append(request.output(self._decode))
             del self._requests[request_id]
 
     def _precheck(self, seq: Sequence):
@@ -164,6 +182,9 @@ class LLMEngine:
     def _prompt_ids(self, request_id: str, prompt) -> list[int] | None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        if isinstance(prompt, str) and self.tokenizer is None:
+            self._reject(request_id, [], "no_tokenizer", "this engine has no tokenizer: pass ids")
+            return None
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt) if prompt else []
         else:
@@ -175,6 +196,9 @@ class LLMEngine:
             self._reject(request_id, ids if isinstance(ids, list) else [], *error)
             return None
         return ids
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     def _check_ids(self, ids, what: str) -> tuple[str, str] | None:
         vocab = self.model_config.vocab_size
@@ -235,7 +259,7 @@ class LLMEngine:
             request = self._requests.get(seq.request_id)
             if request is not None and request.finished():
                 self.stats.num_cached_tokens += sum(s.num_cached_tokens for s in request.seqs)
-                finished_outputs.append(request.output(self.tokenizer.decode))
+                finished_outputs.append(request.output(self._decode))
                 del self._requests[seq.request_id]
         return finished_outputs
 

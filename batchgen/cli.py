@@ -1,0 +1,147 @@
+"""The `batchgen` command line: run, validate, status, make-model (and bench when present)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import click
+
+from batchgen.job import JobError, load_job
+from batchgen.pipeline.signals import EX_TEMPFAIL
+
+EXIT_OK, EXIT_ROW_ERRORS, EXIT_BAD_JOB = 0, 1, 2
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(EXIT_BAD_JOB)
+
+
+def _default_shard() -> str | None:
+    """`I/N` from a Slurm array task's environment, if running as one."""
+    task, count = os.environ.get("SLURM_ARRAY_TASK_ID"), os.environ.get("SLURM_ARRAY_TASK_COUNT")
+    if task is None or count is None:
+        return None
+    first = int(os.environ.get("SLURM_ARRAY_TASK_MIN", "0"))
+    return f"{int(task) - first}/{count}"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """batchgen: offline batch LLM generation; jobs in, sharded resumable Parquet out."""
+
+
+_set_option = click.option(
+    "--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
+    help="Override a job key, e.g. --set sampling.temperature=0.7 (value parsed as YAML).",
+)
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+@click.option("--overwrite", is_flag=True, help="Discard outputs of a different job in output.path.")
+@click.option("--strict", is_flag=True, help="Exit 1 if any row ended as an error record.")
+@click.option("--shard", "shard", metavar="I/N", default=None,
+              help="Process only shards k with k % N == I (default: from SLURM_ARRAY_TASK_ID/"
+                   "SLURM_ARRAY_TASK_COUNT, else all).")
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a tty).")
+def run(job_file, overrides, overwrite, strict, shard, progress) -> None:
+    """Run JOB_FILE: generate for every input row and commit sharded output.
+
+    Exit codes: 0 done (row errors are counted, not fatal), 1 row errors with --strict,
+    2 bad job or usage, 75 interrupted by SIGTERM/SIGUSR1/SIGINT (run again to resume).
+    """
+    from batchgen.pipeline.runner import Runner
+    from batchgen.pipeline.sharding import ShardSelector
+
+    try:
+        job = load_job(job_file, overrides)
+        selector = ShardSelector.parse(shard or _default_shard() or "0/1")
+        show = sys.stderr.isatty() if progress is None else progress
+        result = Runner(job, shard=selector, overwrite=overwrite, progress=show,
+                        log=lambda m: click.echo(m, err=True)).run()
+    except JobError as e:
+        _fail(str(e))
+    for line in result.lines:
+        click.echo(line)
+    if result.exit_code == EX_TEMPFAIL:
+        sys.exit(EX_TEMPFAIL)
+    if result.complete:
+        click.echo(f"done: {job.output.path}/_SUCCESS written")
+    errors = result.totals["errors"]
+    if errors:
+        click.echo(f"{errors} row(s) ended as error records (see columns error, error_code)")
+    sys.exit(EXIT_ROW_ERRORS if strict and errors else EXIT_OK)
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+def validate(job_file, overrides) -> None:
+    """Check JOB_FILE and every input row without a GPU: counts, token lengths, failing rows."""
+    from batchgen.pipeline.validate import validate as run_validate
+
+    try:
+        report = run_validate(load_job(job_file, overrides))
+    except JobError as e:
+        _fail(str(e))
+    click.echo(f"job {job_file}: ok")
+    for line in report.lines():
+        click.echo(line)
+
+
+@main.command()
+@click.argument("out_dir", type=click.Path(file_okay=False))
+def status(out_dir) -> None:
+    """Show OUT_DIR's progress: shards done, rows ok/error, tokens, throughput."""
+    from batchgen.io import manifest
+    from batchgen.pipeline.stats import job_totals
+
+    job = manifest.read_job(out_dir)
+    if job is None:
+        _fail(f"{out_dir}: no batchgen output here (no {manifest.JOB_FILE})")
+    entries = {k: e for k, e in manifest.read_entries(out_dir).items()
+               if e.get("fingerprint") == job["fingerprint"]}
+    totals = job_totals(entries)
+    total = job.get("num_shards")
+    done = os.path.exists(os.path.join(out_dir, manifest.SUCCESS_FILE))
+    click.echo(f"{out_dir}: {'complete' if done else 'in progress'}")
+    click.echo(f"shards: {totals['shards']}/{total if total is not None else '?'} committed")
+    click.echo(f"rows: {totals['ok']} ok, {totals['errors']} error(s)")
+    click.echo(f"tokens: {totals['num_prompt_tokens']} prompt ({totals['num_cached_tokens']} "
+               f"cached), {totals['num_generated_tokens']} generated")
+    try:
+        with open(os.path.join(out_dir, manifest.STATS_FILE)) as f:
+            last = json.load(f)["last_run"]
+        click.echo(f"last run (task {last['task']}): {last['wall_s']:.1f} s, "
+                   f"{last['tokens_per_s']:.1f} generated tok/s")
+    except (OSError, ValueError, KeyError):
+        pass
+
+
+@main.command("make-model")
+@click.option("--arch", type=click.Choice(["llama", "qwen2", "qwen3", "mistral"]), required=True)
+@click.option("--preset", default="tiny", show_default=True, help="Model size preset.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+def make_model(arch, preset, seed, out_dir) -> None:
+    """Write a small random-weight HF model (config, tokenizer, safetensors) to OUT_DIR."""
+    from batchgen.models.make_model import make_model as build
+
+    build(out_dir, arch, preset, seed)
+    click.echo(f"wrote {arch}/{preset} model to {out_dir}")
+
+
+# `batchgen bench` lives in batchgen/bench/cli.py; registered only when that module exists.
+if importlib.util.find_spec("batchgen.bench.cli") is not None:
+    from batchgen.bench.cli import bench
+
+    main.add_command(bench)
+
+
+if __name__ == "__main__":
+    main()

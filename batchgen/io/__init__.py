@@ -1,0 +1,1 @@
+"""Input readers, output writer, manifest and atomic commits."""

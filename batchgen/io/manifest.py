@@ -1,0 +1,130 @@
+"""Manifest: the job fingerprint (`_job.json`) and one entry file per committed shard.
+
+One file per shard (`_manifest/part-00003.json`) instead of one shared manifest means that
+concurrent Slurm tasks never read-modify-write the same file, so no update can be lost; each
+file is replaced atomically. A shard counts as committed only if its entry exists, names the
+current fingerprint, and its data file exists with the recorded size and row count (for
+Parquet, a readable footer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from batchgen.io import atomic
+
+JOB_FILE = "_job.json"
+MANIFEST_DIR = "_manifest"
+SUCCESS_FILE = "_SUCCESS"
+STATS_FILE = "_stats.json"
+_PART = re.compile(r"^\.?part-(\d{5})\.(parquet|jsonl)")
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+        return obj if isinstance(obj, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path: str, obj: dict) -> None:
+    atomic.write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def read_job(out_dir: str) -> dict | None:
+    return _read_json(os.path.join(out_dir, JOB_FILE))
+
+
+def write_job(out_dir: str, job: dict) -> None:
+    write_json(os.path.join(out_dir, JOB_FILE), job)
+
+
+def entry_path(out_dir: str, k: int) -> str:
+    return os.path.join(out_dir, MANIFEST_DIR, f"part-{k:05d}.json")
+
+
+def write_entry(out_dir: str, k: int, entry: dict[str, Any]) -> None:
+    os.makedirs(os.path.join(out_dir, MANIFEST_DIR), exist_ok=True)
+    write_json(entry_path(out_dir, k), {**entry, "shard": k, "committed_at": time.time()})
+
+
+def read_entries(out_dir: str) -> dict[int, dict]:
+    """All shard entries present (not verified)."""
+    d = os.path.join(out_dir, MANIFEST_DIR)
+    out = {}
+    for name in os.listdir(d) if os.path.isdir(d) else []:
+        m = re.match(r"^part-(\d{5})\.json$", name)
+        if m and (e := _read_json(os.path.join(d, name))) is not None:
+            out[int(m.group(1))] = e
+    return out
+
+
+def verify_entry(out_dir: str, entry: dict, fingerprint: str) -> bool:
+    """True if the entry belongs to this job and its data file is intact."""
+    if entry.get("fingerprint") != fingerprint:
+        return False
+    path = os.path.join(out_dir, str(entry.get("file", "")))
+    try:
+        if os.path.getsize(path) != entry.get("size"):
+            return False
+        if path.endswith(".parquet"):
+            return pq.read_metadata(path).num_rows == entry.get("rows")
+        with open(path, "rb") as f:
+            return sum(1 for _ in f) == entry.get("rows")
+    except Exception:
+        return False
+
+
+def committed_shards(out_dir: str, fingerprint: str) -> dict[int, dict]:
+    """Verified entries by shard number."""
+    return {
+        k: e for k, e in read_entries(out_dir).items() if verify_entry(out_dir, e, fingerprint)
+    }
+
+
+def remove_stray_temps(out_dir: str, owns) -> list[str]:
+    """Delete temp files left by a crash, for shards this task owns (`owns(k) -> bool`)."""
+    removed = []
+    for d in (out_dir, os.path.join(out_dir, MANIFEST_DIR)):
+        for name in os.listdir(d) if os.path.isdir(d) else []:
+            m = _PART.match(name)
+            if atomic.TMP_MARK in name and m and owns(int(m.group(1))):
+                os.unlink(os.path.join(d, name))
+                removed.append(name)
+    return removed
+
+
+def is_batchgen_dir(out_dir: str) -> bool:
+    return os.path.exists(os.path.join(out_dir, JOB_FILE)) or os.path.isdir(
+        os.path.join(out_dir, MANIFEST_DIR)
+    )
+
+
+def clear_outputs(out_dir: str) -> None:
+    """--overwrite: remove a previous job's outputs (only the names batchgen writes)."""
+    for name in os.listdir(out_dir):
+        path = os.path.join(out_dir, name)
+        if _PART.match(name) or name in (JOB_FILE, SUCCESS_FILE, STATS_FILE):
+            os.unlink(path)
+        elif name == MANIFEST_DIR:
+            for sub in os.listdir(path):
+                os.unlink(os.path.join(path, sub))
+            os.rmdir(path)
+    atomic.fsync_dir(out_dir)
+
+
+def mark_success_if_complete(out_dir: str, fingerprint: str, num_shards: int) -> bool:
+    """Write `_SUCCESS` if every shard of the job is committed; any task may call this."""
+    done = committed_shards(out_dir, fingerprint)
+    if any(k not in done for k in range(num_shards)):
+        return False
+    atomic.write_bytes(os.path.join(out_dir, SUCCESS_FILE), b"")
+    return True

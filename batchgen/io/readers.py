@@ -1,0 +1,214 @@
+"""Readers: stream input rows from Parquet / JSONL / OpenAI-batch files in bounded chunks."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import polars as pl
+
+from batchgen.io.rows import InputRow
+from batchgen.job import InputSpec, JobError
+
+OPENAI_KEY = "__openai__"  # data key holding an OpenAI batch line's {url, body}
+OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
+_EXTS = {".parquet": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
+
+
+def resolve_inputs(path: str) -> list[str]:
+    """Input files for `input.path`: a file, a directory (its .parquet/.jsonl files) or a glob.
+
+    Names starting with "." or "_" (temp files, _SUCCESS, manifests) are skipped in directories
+    and globs. Files are processed in sorted path order.
+    """
+    if os.path.isdir(path):
+        files = [
+            os.path.join(path, f)
+            for f in os.listdir(path)
+            if os.path.splitext(f)[1] in _EXTS and not f.startswith((".", "_"))
+        ]
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        files = [
+            f
+            for f in glob.glob(path, recursive=True)
+            if os.path.isfile(f) and not os.path.basename(f).startswith((".", "_"))
+        ]
+    if not files:
+        raise JobError(f"input.path: {path!r} matches no input files")
+    return sorted(files)
+
+
+def file_format(path: str, fmt: str) -> str:
+    """The format of one file: the job's `input.format`, or detected from name and first line."""
+    if fmt != "auto":
+        return fmt
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in _EXTS:
+        raise JobError(f"input.format: cannot tell the format of {path!r}; set input.format")
+    if _EXTS[ext] == "parquet":
+        return "parquet"
+    first = _first_object(path)
+    if first is not None and "custom_id" in first and "body" in first:
+        return "openai-batch"
+    return "jsonl"
+
+
+def _first_object(path: str, limit: int = 100) -> dict | None:
+    for obj in _sample_objects(path, limit):
+        return obj
+    return None
+
+
+def _sample_objects(path: str, limit: int) -> Iterator[dict]:
+    with open(path, "rb") as f:
+        for i, line in enumerate(f):
+            if i >= limit:
+                return
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                yield obj
+
+
+def check_columns(files: list[str], spec: InputSpec, needed: list[str]) -> None:
+    """Refuse a job whose columns are absent from the input, before any model loads.
+
+    Parquet files are checked against their schema; JSONL files against the keys of their first
+    100 readable rows (a single row missing a column later is a row error, not a job error).
+    """
+    for path in files:
+        fmt = file_format(path, spec.format)
+        if fmt == "parquet":
+            try:
+                names = set(pl.read_parquet_schema(path))
+            except Exception as e:
+                raise JobError(f"input.path: {path} is not readable Parquet ({e})") from None
+            want = [spec.id_column, *needed]
+        elif fmt == "jsonl":
+            names = set()
+            for obj in _sample_objects(path, 100):
+                names.update(obj)
+            if not names:
+                continue
+            want = list(needed)
+        else:
+            continue
+        missing = [c for c in want if c not in names]
+        if missing:
+            raise JobError(
+                f"input: column(s) {', '.join(map(repr, missing))} used by the job are not in "
+                f"{path} (its columns: {', '.join(sorted(names))})"
+            )
+
+
+class Reader:
+    """Iterates all input rows in order, in chunks of at most `chunk_rows` rows.
+
+    Duplicate ids are flagged here (first occurrence wins), so every task of a sharded job sees
+    the same verdict; the seen-id set keeps an 8-byte digest per row.
+    """
+
+    def __init__(self, files: list[str], spec: InputSpec, columns: list[str], chunk_rows=1024):
+        self.files = files
+        self.spec = spec
+        self.columns = list(dict.fromkeys(c for c in columns if c != spec.id_column))
+        self.chunk_rows = chunk_rows
+        self._seen: set[bytes] = set()
+        self._next_index = 0
+
+    def __iter__(self) -> Iterator[list[InputRow]]:
+        for path in self.files:
+            fmt = file_format(path, self.spec.format)
+            chunks = self._parquet(path) if fmt == "parquet" else self._jsonl(path, fmt)
+            for chunk in chunks:
+                yield [self._dedup(r) for r in chunk]
+
+    def _new_row(self, **kw) -> InputRow:
+        row = InputRow(index=self._next_index, **kw)
+        self._next_index += 1
+        return row
+
+    def _dedup(self, row: InputRow) -> InputRow:
+        if row.error_code is None and row.id is not None:
+            key = hashlib.blake2b(row.id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+            if key in self._seen:
+                row.error_code = "duplicate_id"
+                row.error = f"{row.source}: id {row.id!r} appeared earlier; first occurrence wins"
+            self._seen.add(key)
+        return row
+
+    def _parquet(self, path: str) -> Iterator[list[InputRow]]:
+        lf = pl.scan_parquet(path)
+        names = set(lf.collect_schema().names())
+        cols = [self.spec.id_column] + [c for c in self.columns if c in names]
+        total = lf.select(pl.len()).collect().item()
+        for start in range(0, total, self.chunk_rows):
+            df = lf.select(cols).slice(start, self.chunk_rows).collect()
+            rows = []
+            for i, rec in enumerate(df.iter_rows(named=True)):
+                rows.append(self._make_row(rec, f"{path}:row {start + i}"))
+            yield rows
+
+    def _jsonl(self, path: str, fmt: str) -> Iterator[list[InputRow]]:
+        rows: list[InputRow] = []
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                rows.append(self._parse_line(raw, f"{path}:{lineno}", fmt))
+                if len(rows) >= self.chunk_rows:
+                    yield rows
+                    rows = []
+        if rows:
+            yield rows
+
+    def _parse_line(self, raw: bytes, source: str, fmt: str) -> InputRow:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return self._bad(source, "invalid_utf8", f"line is not valid UTF-8 ({e.reason})")
+        try:
+            obj = json.loads(text)
+        except ValueError as e:
+            return self._bad(source, "bad_json", f"line is not valid JSON ({e})")
+        if not isinstance(obj, dict):
+            return self._bad(source, "bad_json", "line is JSON but not an object")
+        if fmt == "openai-batch":
+            return self._openai_row(obj, source)
+        return self._make_row(obj, source)
+
+    def _bad(self, source: str, code: str, message: str, row_id=None) -> InputRow:
+        return self._new_row(
+            id=row_id, data=None, source=source, error_code=code, error=f"{source}: {message}"
+        )
+
+    def _make_row(self, rec: dict[str, Any], source: str) -> InputRow:
+        raw_id = rec.get(self.spec.id_column)
+        if raw_id is None or raw_id == "":
+            return self._bad(source, "missing_id", f"no {self.spec.id_column!r} value")
+        data = {c: rec[c] for c in self.columns if c in rec}
+        return self._new_row(id=str(raw_id), data=data, source=source)
+
+    def _openai_row(self, obj: dict[str, Any], source: str) -> InputRow:
+        custom_id = obj.get("custom_id")
+        if custom_id is None or custom_id == "":
+            return self._bad(source, "missing_id", "no 'custom_id' value")
+        url, body = obj.get("url"), obj.get("body")
+        if url not in OPENAI_URLS or not isinstance(body, dict):
+            return self._bad(
+                source,
+                "bad_params",
+                f"url must be one of {', '.join(OPENAI_URLS)} and body an object (got {url!r})",
+                row_id=str(custom_id),
+            )
+        data = {c: obj[c] for c in self.columns if c in obj}
+        data[OPENAI_KEY] = {"url": url, "body": body}
+        return self._new_row(id=str(custom_id), data=data, source=source)

@@ -1,0 +1,112 @@
+"""Writer: one shard's result rows -> part-NNNNN.parquet (or .jsonl), committed atomically."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import polars as pl
+
+from batchgen.io import atomic
+from batchgen.io.openai_batch import output_line
+from batchgen.io.rows import ResultRow
+
+
+def shard_file(k: int, fmt: str) -> str:
+    return f"part-{k:05d}.{'jsonl' if fmt == 'openai-batch' else 'parquet'}"
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How result rows become columns.
+
+    Args:
+        passthrough: input columns copied through, with their input dtype when known.
+        multi: n > 1 layout (text, finish_reason and num_output_tokens are lists).
+        fmt: "parquet" or "openai-batch".
+        compression: Parquet compression codec ("none" for uncompressed).
+        model: the model name written in OpenAI-style records.
+    """
+
+    passthrough: tuple[tuple[str, Any], ...] = ()  # (column, polars dtype or None)
+    multi: bool = False
+    fmt: str = "parquet"
+    compression: str = "zstd"
+    model: str = ""
+
+
+def _column(values: list[Any], dtype: Any) -> pl.Series:
+    if dtype is not None:
+        try:
+            return pl.Series(values=values, dtype=dtype, strict=False)
+        except Exception:
+            pass
+    values = [json.dumps(v) if isinstance(v, (dict, list)) else v for v in values]
+    try:
+        s = pl.Series(values=values, strict=True)
+    except Exception:
+        s = pl.Series(values=[None if v is None else str(v) for v in values], dtype=pl.String)
+    return s.cast(pl.String) if s.dtype == pl.Null else s
+
+
+def to_frame(rows: list[ResultRow], layout: ShardLayout) -> pl.DataFrame:
+    """Result rows as a DataFrame with the contract columns (see README: Output)."""
+    str_t = pl.List(pl.String) if layout.multi else pl.String
+    int_t = pl.List(pl.Int64) if layout.multi else pl.Int64
+
+    def shaped(value: Any) -> Any:
+        # n > 1 layout: an error row's scalar "error" / 0 becomes a one-element list.
+        if layout.multi and value is not None and not isinstance(value, list):
+            return [value]
+        return value
+
+    cols: dict[str, pl.Series] = {"id": pl.Series("id", [r.id for r in rows], dtype=pl.String)}
+    for name, dtype in layout.passthrough:
+        cols[name] = _column([r.passthrough.get(name) for r in rows], dtype).alias(name)
+    cols["text"] = pl.Series("text", [shaped(r.text) for r in rows], dtype=str_t)
+    cols["finish_reason"] = pl.Series(
+        "finish_reason", [shaped(r.finish_reason) for r in rows], dtype=str_t
+    )
+    cols["error"] = pl.Series("error", [r.error for r in rows], dtype=pl.String)
+    cols["error_code"] = pl.Series("error_code", [r.error_code for r in rows], dtype=pl.String)
+    cols["num_prompt_tokens"] = pl.Series([r.num_prompt_tokens for r in rows], dtype=pl.Int64)
+    cols["num_output_tokens"] = pl.Series(
+        [shaped(r.num_output_tokens) for r in rows], dtype=int_t
+    )
+    cols["num_cached_tokens"] = pl.Series([r.num_cached_tokens for r in rows], dtype=pl.Int64)
+    return pl.DataFrame([s.alias(n) for n, s in cols.items()])
+
+
+def write_shard(out_dir: str, k: int, rows: list[ResultRow], layout: ShardLayout) -> dict:
+    """Write shard k atomically; returns its manifest entry fields (file, rows, size, sha256)."""
+    rows = sorted(rows, key=lambda r: r.index)
+    final = os.path.join(out_dir, shard_file(k, layout.fmt))
+    tmp = atomic.temp_path(final)
+    try:
+        if layout.fmt == "openai-batch":
+            with open(tmp, "w", encoding="utf-8") as f:
+                for r in rows:
+                    f.write(json.dumps(output_line(r, layout.model), ensure_ascii=False) + "\n")
+        else:
+            codec = "uncompressed" if layout.compression == "none" else layout.compression
+            to_frame(rows, layout).write_parquet(tmp, compression=codec)
+        size, sha = _size_and_sha256(tmp)
+        atomic.commit(tmp, final)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return {"file": os.path.basename(final), "size": size, "sha256": sha}
+
+
+def _size_and_sha256(path: str) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()

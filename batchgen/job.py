@@ -1,0 +1,357 @@
+"""Job spec: load a job YAML file, apply `--set` overrides and validate it into frozen dataclasses.
+
+Nothing here imports torch or loads a model: every error a job file can have is raised as a
+JobError naming the key path before any GPU work starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from batchgen.config import ConfigError, EngineConfig
+from batchgen.sampling_params import SamplingParams, SamplingParamsError
+
+MODES = ("generate",)  # "score" is added by its own issue; the runner dispatches on this.
+INPUT_FORMATS = ("auto", "parquet", "jsonl", "openai-batch")
+OUTPUT_FORMATS = ("parquet", "openai-batch")
+COMPRESSIONS = ("zstd", "snappy", "gzip", "lz4", "none")
+
+
+class JobError(ValueError):
+    """The job file (or a --set override) cannot be used; the message names the key path."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: str
+    dtype: str = "auto"
+    options: tuple[tuple[str, Any], ...] = ()  # engine options beyond path/dtype, sorted
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(model=self.path, dtype=self.dtype, **dict(self.options))
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    path: str
+    format: str = "auto"
+    id_column: str = "id"
+    columns: tuple[str, ...] = ()  # passed through to the output unchanged
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str  # may hold {column} placeholders
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    template: str | None = None
+    chat: tuple[ChatMessage, ...] | None = None
+    chat_template: str | None = None  # overrides the model's own chat template
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    params: tuple[tuple[str, Any], ...] = ()  # SamplingParams fields given in the job, sorted
+    overrides_column: str | None = None
+
+    def base_params(self) -> dict[str, Any]:
+        return dict(self.params)
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    path: str
+    shard_rows: int = 10000
+    compression: str = "zstd"
+    format: str = "parquet"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    model: ModelSpec
+    input: InputSpec
+    prompt: PromptSpec
+    sampling: SamplingSpec
+    output: OutputSpec
+    mode: str = "generate"
+    source: str = "<job>"  # the job file, for messages
+
+
+# ----------------------------------------------------------------------------------- loading
+
+
+def load_job(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+    """Read, override and validate a job file.
+
+    Args:
+        path: the YAML job file.
+        overrides: `key.path=value` strings; value is parsed as a YAML scalar.
+    Returns:
+        The validated JobSpec. Raises JobError on any problem.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise JobError(f"{path}: cannot read job file ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise JobError(f"{path}: job file is not UTF-8 text") from None
+    raw = parse_yaml(text, str(path))
+    for item in overrides:
+        apply_override(raw, item)
+    return validate_job(raw, source=str(path))
+
+
+def parse_yaml(text: str, source: str) -> dict:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.constructor.ConstructorError as e:
+        where = f" (line {e.problem_mark.line + 1})" if e.problem_mark else ""
+        raise JobError(
+            f"{source}{where}: YAML tags such as {_tag_of(e)} are not allowed; job files hold "
+            "plain values only (loaded with yaml.safe_load)"
+        ) from None
+    except yaml.YAMLError as e:
+        raise JobError(f"{source}: invalid YAML: {e}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise JobError(f"{source}: the job must be a mapping of sections (model, input, ...)")
+    return raw
+
+
+def _tag_of(e: yaml.constructor.ConstructorError) -> str:
+    problem = e.problem or ""
+    start = problem.find("'")
+    tag = problem[start + 1 : problem.find("'", start + 1)] if start >= 0 else "this"
+    return repr(tag.replace("tag:yaml.org,2002:", "!!"))
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """Apply one `a.b.c=value` override to the raw job mapping (in place)."""
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise JobError(f"--set {item!r}: expected KEY.PATH=VALUE, e.g. sampling.temperature=0.7")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    parts = key.strip().split(".")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise JobError(f"--set {item!r}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = parsed
+
+
+# -------------------------------------------------------------------------------- validation
+
+
+def _unknown(path: str, key: Any, known: list[str]) -> JobError:
+    hint = difflib.get_close_matches(str(key), known, n=1)
+    extra = f" (did you mean {hint[0]!r}?)" if hint else f" (known keys: {', '.join(known)})"
+    return JobError(f"{path}.{key}: unknown key{extra}" if path else f"{key}: unknown key{extra}")
+
+
+def _section(raw: dict, name: str, known: list[str], required: bool = True) -> dict:
+    sec = raw.get(name)
+    if sec is None:
+        if required:
+            raise JobError(f"{name}: missing required section")
+        return {}
+    if not isinstance(sec, dict):
+        raise JobError(f"{name}: expected a mapping, got {type(sec).__name__}")
+    for key in sec:
+        if key not in known:
+            raise _unknown(name, key, known)
+    return sec
+
+
+_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
+
+
+def _check_type(path: str, value: Any, annotation: str) -> Any:
+    """Check a value against a simple annotation string such as 'int | None' or 'float'."""
+    alts = [a.strip() for a in annotation.split("|")]
+    if value is None and "None" in alts:
+        return value
+    for alt in alts:
+        if alt in _TYPES and isinstance(value, _TYPES[alt]):
+            if alt != "bool" and isinstance(value, bool):
+                continue
+            return float(value) if alt == "float" and "int" not in alts else value
+        if alt.startswith("tuple[") and isinstance(value, (list, tuple, str)):
+            return value
+    want = " or ".join("null" if a == "None" else a.replace("tuple[", "list[") for a in alts)
+    raise JobError(f"{path}: expected {want}, got {type(value).__name__} {value!r}")
+
+
+def _get(sec: dict, path: str, key: str, annotation: str, default: Any = ..., choices=None):
+    if key not in sec or sec[key] is None and default is not ...:
+        if default is ...:
+            raise JobError(f"{path}.{key}: missing required key")
+        return default
+    value = _check_type(f"{path}.{key}", sec[key], annotation)
+    if choices is not None and value not in choices:
+        raise JobError(f"{path}.{key}: {value!r} is not one of {', '.join(map(str, choices))}")
+    return value
+
+
+def validate_job(raw: dict, source: str = "<job>") -> JobSpec:
+    """Turn a raw job mapping into a JobSpec, raising JobError naming the first bad key path."""
+    top = ["model", "input", "prompt", "sampling", "output", "mode"]
+    for key in raw:
+        if key not in top:
+            raise _unknown("", key, top)
+    mode = raw.get("mode", "generate")
+    if mode not in MODES:
+        raise JobError(f"mode: {mode!r} is not supported (supported: {', '.join(MODES)})")
+    model = _model_spec(raw)
+    inp = _input_spec(raw)
+    prompt = _prompt_spec(raw, inp)
+    sampling = _sampling_spec(raw)
+    output = _output_spec(raw)
+    return JobSpec(model, inp, prompt, sampling, output, mode, source)
+
+
+def _model_spec(raw: dict) -> ModelSpec:
+    engine_fields = {f.name: f.type for f in fields(EngineConfig)}
+    known = ["path", "dtype"] + [n for n in EngineConfig.option_names() if n not in ("model",)]
+    known = list(dict.fromkeys(known))
+    sec = _section(raw, "model", known)
+    path = _get(sec, "model", "path", "str")
+    dtype = _get(sec, "model", "dtype", "str", "auto")
+    options = {}
+    for key, value in sec.items():
+        if key in ("path", "dtype"):
+            continue
+        options[key] = _check_type(f"model.{key}", value, str(engine_fields[key]))
+    spec = ModelSpec(check_path("model.path", path), dtype, tuple(sorted(options.items())))
+    try:
+        spec.engine_config()
+    except ConfigError as e:
+        raise JobError(f"model.{e}") from None
+    return spec
+
+
+def _input_spec(raw: dict) -> InputSpec:
+    sec = _section(raw, "input", ["path", "format", "id_column", "columns"])
+    path = check_path("input.path", _get(sec, "input", "path", "str"))
+    fmt = _get(sec, "input", "format", "str", "auto", INPUT_FORMATS)
+    id_column = _get(sec, "input", "id_column", "str", "id")
+    columns = sec.get("columns") or []
+    if isinstance(columns, str) or not isinstance(columns, list):
+        raise JobError(f"input.columns: expected a list of column names, got {columns!r}")
+    for i, c in enumerate(columns):
+        if not isinstance(c, str) or not c:
+            raise JobError(f"input.columns[{i}]: expected a column name, got {c!r}")
+    return InputSpec(path, fmt, id_column, tuple(columns))
+
+
+def _prompt_spec(raw: dict, inp: InputSpec) -> PromptSpec:
+    # OpenAI batch lines carry their own prompts; with format auto, require_prompt() decides
+    # once the input files are known.
+    required = inp.format not in ("openai-batch", "auto")
+    sec = _section(raw, "prompt", ["template", "chat", "chat_template"], required=required)
+    template = _get(sec, "prompt", "template", "str", None)
+    chat_template = _get(sec, "prompt", "chat_template", "str", None)
+    chat_raw = sec.get("chat")
+    if (required or sec) and (template is None) == (chat_raw is None):
+        raise JobError("prompt: give exactly one of prompt.template or prompt.chat")
+    chat = None
+    if chat_raw is not None:
+        if not isinstance(chat_raw, list) or not chat_raw:
+            raise JobError("prompt.chat: expected a non-empty list of {role, content} messages")
+        msgs = []
+        for i, m in enumerate(chat_raw):
+            where = f"prompt.chat[{i}]"
+            if not isinstance(m, dict):
+                raise JobError(f"{where}: expected a mapping with role and content")
+            for key in m:
+                if key not in ("role", "content"):
+                    raise _unknown(where, key, ["role", "content"])
+            role = _get(m, where, "role", "str")
+            if role not in ("system", "user", "assistant"):
+                raise JobError(f"{where}.role: {role!r} is not one of system, user, assistant")
+            msgs.append(ChatMessage(role, _get(m, where, "content", "str")))
+        chat = tuple(msgs)
+    spec = PromptSpec(template, chat, chat_template)
+    from batchgen.prompts import PromptError, placeholders
+
+    try:
+        placeholders(spec)
+    except PromptError as e:
+        raise JobError(str(e)) from None
+    return spec
+
+
+def _sampling_spec(raw: dict) -> SamplingSpec:
+    types = {f.name: str(f.type) for f in fields(SamplingParams)}
+    sec = _section(raw, "sampling", list(types) + ["overrides_column"], required=False)
+    params = {}
+    for key, value in sec.items():
+        if key == "overrides_column":
+            continue
+        params[key] = _check_type(f"sampling.{key}", value, types[key])
+    try:
+        SamplingParams(**params)
+    except SamplingParamsError as e:
+        raise JobError(str(e).replace("SamplingParams.", "sampling.")) from None
+    for key in ("stop", "stop_token_ids"):
+        if key in params and params[key] is not None:
+            params[key] = tuple([params[key]] if isinstance(params[key], str) else params[key])
+    overrides_column = _get(sec, "sampling", "overrides_column", "str", None)
+    return SamplingSpec(tuple(sorted(params.items())), overrides_column)
+
+
+def _output_spec(raw: dict) -> OutputSpec:
+    sec = _section(raw, "output", ["path", "shard_rows", "compression", "format"])
+    path = check_path("output.path", _get(sec, "output", "path", "str"))
+    shard_rows = _get(sec, "output", "shard_rows", "int", 10000)
+    if shard_rows < 1:
+        raise JobError(f"output.shard_rows: {shard_rows} must be >= 1")
+    compression = _get(sec, "output", "compression", "str", "zstd", COMPRESSIONS)
+    fmt = _get(sec, "output", "format", "str", "parquet", OUTPUT_FORMATS)
+    return OutputSpec(path, shard_rows, compression, fmt)
+
+
+def require_prompt(job: JobSpec, formats: list[str]) -> None:
+    """Refuse a job without prompt.template/chat whose input has rows that are not OpenAI lines."""
+    if job.prompt.template is None and job.prompt.chat is None:
+        plain = [f for f in formats if f != "openai-batch"]
+        if plain:
+            raise JobError(
+                f"prompt: missing prompt.template or prompt.chat (needed for {plain[0]} input)"
+            )
+
+
+def check_path(key: str, path: str) -> str:
+    """Refuse an empty path or a relative path whose `..` components escape the working dir.
+
+    Relative paths are relative to the current working directory (not the job file's); an
+    absolute path is taken as given.
+    """
+    if not path.strip():
+        raise JobError(f"{key}: must not be empty")
+    if not os.path.isabs(path):
+        depth = 0
+        for part in Path(path).parts:
+            depth += -1 if part == ".." else (0 if part == "." else 1)
+            if depth < 0:
+                raise JobError(
+                    f"{key}: {path!r} escapes the working directory through '..'; relative "
+                    "paths must stay inside it (use an absolute path to go elsewhere)"
+                )
+    return path

@@ -1,0 +1,1 @@
+"""The pipeline: runs a job from input rows to committed output shards."""

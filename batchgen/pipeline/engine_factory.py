@@ -1,0 +1,72 @@
+"""The one place the pipeline touches the real engine and tokenizer (imported lazily).
+
+Tests and the lead's real-engine tests swap these through the Runner's `engine_factory` /
+`tokenizer_factory` arguments instead of patching deeper code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from batchgen.job import JobError, JobSpec
+from batchgen.outputs import RequestOutput
+from batchgen.sampling_params import SamplingParams
+
+
+class TokenizerLike(Protocol):
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+
+    def encode_batch(
+        self, texts: list[str], add_special_tokens: bool = True
+    ) -> list[list[int]]: ...
+
+
+class EngineLike(Protocol):
+    """What the runner needs from an engine (batchgen.engine.llm_engine.LLMEngine has it)."""
+
+    tokenizer: Any
+    max_model_len: int
+    stats: Any
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def num_unfinished_requests(self) -> int: ...
+
+
+def build_engine(job: JobSpec) -> EngineLike:
+    """Load the job's model into an LLMEngine (the expensive step; runs after all checks)."""
+    from batchgen.engine.llm_engine import LLMEngine
+
+    return LLMEngine(job.model.engine_config())
+
+
+def build_tokenizer(job: JobSpec) -> TokenizerLike:
+    """The model's tokenizer alone (cheap; used to check prompts before the model loads)."""
+    from batchgen.models.errors import ModelLoadError
+    from batchgen.models.tokenizer import Tokenizer
+
+    try:
+        return Tokenizer.from_dir(job.model.path)
+    except ModelLoadError as e:
+        raise JobError(f"model.path: {e}") from None
+
+
+def model_max_len(job: JobSpec) -> int:
+    """Longest prompt + output for `validate` without loading weights."""
+    from batchgen.models.config import ModelConfig
+    from batchgen.models.errors import ModelLoadError
+
+    try:
+        limit = ModelConfig.from_dir(job.model.path).max_position_embeddings
+    except ModelLoadError as e:
+        raise JobError(f"model.path: {e}") from None
+    configured = job.model.engine_config().max_model_len
+    return min(limit, configured) if configured else limit

@@ -1,0 +1,324 @@
+"""Runner: streams a job's input through planner and engine into committed output shards."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import polars as pl
+
+from batchgen.io import manifest
+from batchgen.io.readers import Reader, check_columns, file_format, resolve_inputs
+from batchgen.io.rows import InputRow, ResultRow
+from batchgen.io.writer import ShardLayout, write_shard
+from batchgen.job import JobError, JobSpec, require_prompt
+from batchgen.pipeline import engine_factory as factory
+from batchgen.pipeline.fingerprint import fingerprint, fingerprint_parts
+from batchgen.pipeline.progress import Progress
+from batchgen.pipeline.sharding import ShardSelector
+from batchgen.pipeline.signals import EX_TEMPFAIL, GracefulStop, StopFlag
+from batchgen.pipeline.stats import RunStats, summary_lines, write_stats
+from batchgen.planner import Planner, Request, to_result
+from batchgen.prompts import PromptError, PromptRenderer, placeholders
+
+
+@dataclass
+class RunResult:
+    exit_code: int  # 0 done (row errors included) or 75 interrupted; the CLI applies --strict
+    stats: RunStats
+    totals: dict
+    num_shards: int | None
+    complete: bool  # every shard of the whole job is committed (_SUCCESS written)
+    lines: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Shard:
+    k: int
+    rows: int
+    results: list[ResultRow]
+    pending: int
+    admitted: int = 0
+
+
+class Runner:
+    """Runs one task of a job (all shards, or those selected by `shard`).
+
+    Args:
+        job: the validated job.
+        shard: which shards this task owns.
+        overwrite: discard outputs of a different job (or a foreign non-empty directory).
+        engine_factory / tokenizer_factory: build the engine / tokenizer (default: the real ones
+            in engine_factory.py; tests pass fakes).
+        stop: the stop flag; stop signals set it while `run` is active.
+        progress: show a tqdm bar on stderr.
+        grace_s: after a stop request, how long in-flight shards may take to finish.
+        max_in_flight: most requests inside the engine (default 4 x max_num_seqs).
+        log: where messages go (default stderr).
+    """
+
+    def __init__(
+        self,
+        job: JobSpec,
+        shard: ShardSelector = ShardSelector(),
+        overwrite: bool = False,
+        engine_factory: Callable[[JobSpec], factory.EngineLike] | None = None,
+        tokenizer_factory: Callable[[JobSpec], factory.TokenizerLike] | None = None,
+        stop: StopFlag | None = None,
+        progress: bool = False,
+        grace_s: float = 20.0,
+        max_in_flight: int | None = None,
+        chunk_rows: int = 1024,
+        log: Callable[[str], None] | None = None,
+    ):
+        self.job = job
+        self.shard = shard
+        self.overwrite = overwrite
+        # Looked up at call time so tests can swap engine_factory.build_engine / build_tokenizer.
+        self.engine_factory = engine_factory or factory.build_engine
+        self.tokenizer_factory = tokenizer_factory or factory.build_tokenizer
+        self.stop = stop or StopFlag()
+        self.progress_enabled = progress
+        self.grace_s = grace_s
+        self.max_in_flight = max_in_flight or 4 * job.model.engine_config().max_num_seqs
+        self.chunk_rows = chunk_rows
+        self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        self.out_dir = job.output.path
+
+    # ----------------------------------------------------------------------------- preparation
+
+    def prepare(self) -> None:
+        """Every check that needs no model weights; raises JobError. Then claims the out dir."""
+        job = self.job
+        if not os.path.isdir(job.model.path):
+            raise JobError(f"model.path: {job.model.path!r} is not a directory (a HF model dir)")
+        self.files = resolve_inputs(job.input.path)
+        self.formats = {f: file_format(f, job.input.format) for f in self.files}
+        require_prompt(job, list(self.formats.values()))
+        self.columns = placeholders(job.prompt) + list(job.input.columns)
+        if job.sampling.overrides_column:
+            self.columns.append(job.sampling.overrides_column)
+        check_columns(self.files, job.input, self.columns)
+        tok = self.tokenizer = self.tokenizer_factory(job)
+        self.renderer = PromptRenderer(job.prompt, tok.chat_template, tok.bos_token, tok.eos_token)
+        try:
+            self.renderer.check(needs_chat=job.prompt.chat is not None)
+        except PromptError as e:
+            raise JobError(f"prompt: {e}") from None
+        self.parts = fingerprint_parts(job, self.files)
+        self.fingerprint = fingerprint(self.parts)
+        self._claim_output_dir()
+        manifest.remove_stray_temps(self.out_dir, self.shard.owns)
+        self.committed = manifest.committed_shards(self.out_dir, self.fingerprint)
+
+    def _claim_output_dir(self) -> None:
+        out = self.out_dir
+        os.makedirs(out, exist_ok=True)
+        old = manifest.read_job(out)
+        if os.listdir(out) and not manifest.is_batchgen_dir(out):
+            if not self.overwrite:
+                raise JobError(
+                    f"output.path: {out!r} is not empty and holds no batchgen output; choose "
+                    "an empty or new directory, or pass --overwrite"
+                )
+            manifest.clear_outputs(out)
+        elif old is not None and old.get("fingerprint") != self.fingerprint:
+            changed = [k for k, v in self.parts.items() if old.get("parts", {}).get(k) != v]
+            if not self.overwrite:
+                raise JobError(
+                    f"output.path: {out!r} holds results of a different job (changed: "
+                    f"{', '.join(changed) or 'unknown'}); pass --overwrite to discard them, "
+                    "or use another output.path"
+                )
+            self.log(f"--overwrite: discarding old outputs in {out} (changed: {changed})")
+            manifest.clear_outputs(out)
+            old = None
+        if old is None:
+            manifest.write_job(out, self._job_record(None, None))
+
+    def _job_record(self, total_rows: int | None, num_shards: int | None) -> dict:
+        return {
+            "fingerprint": self.fingerprint,
+            "parts": self.parts,
+            "job_file": self.job.source,
+            "model": self.job.model.path,
+            "inputs": self.files,
+            "shard_rows": self.job.output.shard_rows,
+            "format": self.job.output.format,
+            "total_rows": total_rows,
+            "num_shards": num_shards,
+        }
+
+    # ------------------------------------------------------------------------------- running
+
+    def run(self) -> RunResult:
+        """Prepare, then process every owned shard not yet committed."""
+        start = time.monotonic()
+        self.prepare()
+        self.stats = RunStats(shards_skipped=sum(map(self.shard.owns, self.committed)))
+        self.progress = Progress(self.progress_enabled)
+        self.engine = None
+        self.layout = self._layout()
+        try:
+            with GracefulStop(self.stop):
+                finished = self._loop()
+        finally:
+            self.progress.close()
+        self.stats.wall_s = time.monotonic() - start
+        entries = manifest.committed_shards(self.out_dir, self.fingerprint)
+        num_shards, complete = None, False
+        if finished:
+            total = self.reader._next_index
+            num_shards = math.ceil(total / self.job.output.shard_rows)
+            manifest.write_job(self.out_dir, self._job_record(total, num_shards))
+            complete = manifest.mark_success_if_complete(self.out_dir, self.fingerprint, num_shards)
+        stats = write_stats(self.out_dir, self.stats, entries, str(self.shard))
+        lines = summary_lines(self.stats, stats["job"], num_shards)
+        if not finished:
+            lines.append(f"interrupted by {self.stop.signal_name}: committed shards are kept; "
+                         f"run the same command again to resume (exit {EX_TEMPFAIL})")
+        return RunResult(0 if finished else EX_TEMPFAIL, self.stats, stats["job"], num_shards,
+                         complete, lines)
+
+    def _layout(self) -> ShardLayout:
+        dtypes = {}
+        for f, fmt in self.formats.items():
+            if fmt == "parquet":
+                schema = pl.read_parquet_schema(f)
+                dtypes.update({c: schema[c] for c in self.job.input.columns if c in schema})
+                break
+        multi = self.job.sampling.base_params().get("n", 1) > 1
+        passthrough = tuple((c, dtypes.get(c)) for c in self.job.input.columns)
+        return ShardLayout(passthrough, multi, self.job.output.format,
+                           self.job.output.compression, os.path.basename(self.job.model.path))
+
+    def _planner(self) -> Planner:
+        if self.engine is None:
+            self.log(f"loading model {self.job.model.path} ...")
+            self.engine = self.engine_factory(self.job)
+            self._plan = Planner(
+                self.renderer, self.tokenizer, self.engine.max_model_len,
+                self.job.sampling.base_params(), self.job.input.columns,
+                self.job.sampling.overrides_column,
+                allow_multi=self.layout.multi or self.layout.fmt == "openai-batch",
+            )
+        return self._plan
+
+    def _loop(self) -> bool:
+        """Feed, step and commit until done (True) or stopped (False)."""
+        self.reader = Reader(self.files, self.job.input, self.columns, self.chunk_rows)
+        self._chunks = iter(self.reader)
+        self._buffer: tuple[int, list[InputRow]] | None = None
+        self._queue: deque[tuple[int, Request]] = deque()
+        self._open: dict[int, _Shard] = {}
+        self._in_flight: dict[str, tuple[int, Request]] = {}
+        input_done = False
+        deadline = None
+        while True:
+            if self.stop.is_set() and deadline is None:
+                deadline = time.monotonic() + self.grace_s
+                self.log(f"{self.stop.signal_name}: no new rows; finishing in-flight shards "
+                         f"(up to {self.grace_s:.0f} s)")
+                self._drop_unstarted_shards()
+            while deadline is None and not input_done and len(self._queue) < self.max_in_flight:
+                input_done = not self._read_chunk()
+            self._admit(stopping=deadline is not None)
+            if not self._in_flight:
+                if deadline is not None:
+                    return input_done and not self._open
+                if input_done:
+                    return True
+                continue
+            for out in self.engine.step():
+                k, req = self._in_flight.pop(out.request_id)
+                self._add_result(k, to_result(req, out))
+            if deadline is not None and time.monotonic() > deadline:
+                if self._open:
+                    self.log(f"abandoning {len(self._open)} unfinished shard(s) uncommitted")
+                return False
+
+    def _read_chunk(self) -> bool:
+        """Read one input chunk into shard buffers; False at the end of the input."""
+        chunk = next(self._chunks, None)
+        if chunk is None:
+            self._close_buffer()
+            return False
+        size = self.job.output.shard_rows
+        for row in chunk:
+            k = row.index // size
+            if not self.shard.owns(k) or k in self.committed:
+                continue
+            if self._buffer is None or self._buffer[0] != k:
+                self._close_buffer()
+                self._buffer = (k, [])
+            self._buffer[1].append(row)
+        if self._buffer is not None and len(self._buffer[1]) == size:
+            self._close_buffer()
+        return True
+
+    def _close_buffer(self) -> None:
+        """A shard's rows are all read: plan it and queue its requests."""
+        if self._buffer is None:
+            return
+        k, rows = self._buffer
+        self._buffer = None
+        plan = self._planner().plan(rows)
+        self._open[k] = _Shard(k, len(rows), list(plan.errors), len(plan.requests))
+        self.progress.update(len(plan.errors), 0)
+        self._queue.extend((k, r) for r in plan.requests)
+        if not plan.requests:
+            self._commit(k)
+
+    def _admit(self, stopping: bool) -> None:
+        while self._queue and len(self._in_flight) < self.max_in_flight:
+            k, req = self._queue[0]
+            if stopping and (k not in self._open or self._open[k].admitted == 0):
+                break
+            self._queue.popleft()
+            rid = f"{k}/{req.index}"
+            self._in_flight[rid] = (k, req)
+            self._open[k].admitted += 1
+            self.engine.add_request(rid, req.prompt_token_ids, req.params)
+
+    def _drop_unstarted_shards(self) -> None:
+        self._buffer = None
+        for k in [k for k, s in self._open.items() if s.admitted == 0]:
+            del self._open[k]
+        self._queue = deque((k, r) for k, r in self._queue if k in self._open)
+
+    def _add_result(self, k: int, result: ResultRow) -> None:
+        shard = self._open[k]
+        shard.results.append(result)
+        shard.pending -= 1
+        out_tokens = result.num_output_tokens
+        self.progress.update(1, sum(out_tokens) if isinstance(out_tokens, list) else out_tokens)
+        if shard.pending == 0:
+            self._commit(k)
+
+    def _commit(self, k: int) -> None:
+        shard = self._open.pop(k)
+        results = shard.results
+        if len(results) != shard.rows or len({r.index for r in results}) != shard.rows:
+            raise RuntimeError(f"shard {k}: {len(results)} results for {shard.rows} rows")
+        entry = write_shard(self.out_dir, k, results, self.layout)
+
+        def total(attr: str) -> int:
+            vals = [getattr(r, attr) for r in results]
+            return sum(sum(v) if isinstance(v, list) else v for v in vals)
+
+        entry.update(
+            fingerprint=self.fingerprint,
+            rows=shard.rows,
+            ok=sum(r.ok for r in results),
+            errors=sum(not r.ok for r in results),
+            num_prompt_tokens=total("num_prompt_tokens"),
+            num_cached_tokens=total("num_cached_tokens"),
+            num_generated_tokens=total("num_output_tokens"),
+        )
+        manifest.write_entry(self.out_dir, k, entry)
+        self.stats.add_shard(entry)

@@ -1,0 +1,39 @@
+"""Sharding: which output shards a task owns (`--shard I/N`, Slurm array tasks, cron)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchgen.job import JobError
+
+
+@dataclass(frozen=True)
+class ShardSelector:
+    """Task `index` of `count` owns shards k with k % count == index."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or not 0 <= self.index < self.count:
+            raise JobError(f"--shard {self.index}/{self.count}: need 0 <= I < N and N >= 1")
+
+    def owns(self, k: int) -> bool:
+        return k % self.count == self.index
+
+    @classmethod
+    def parse(cls, text: str) -> ShardSelector:
+        """Parse 'I/N' (0-based I)."""
+        i, sep, n = text.partition("/")
+        try:
+            return cls(int(i), int(n))
+        except ValueError:
+            raise JobError(f"--shard {text!r}: expected I/N, e.g. --shard 0/4") from None
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def shard_of(index: int, shard_rows: int) -> int:
+    """The shard holding the input row at global position `index`."""
+    return index // shard_rows

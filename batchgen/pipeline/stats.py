@@ -1,0 +1,73 @@
+"""Run statistics: token and row counters, the final summary and `_stats.json`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+from batchgen.io import manifest
+
+
+@dataclass
+class RunStats:
+    """Counters of one run (this process), plus the job-wide totals from the manifest."""
+
+    rows_ok: int = 0
+    rows_error: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+    shards_committed: int = 0
+    shards_skipped: int = 0
+    wall_s: float = 0.0
+
+    def add_shard(self, entry: dict) -> None:
+        self.rows_ok += entry["ok"]
+        self.rows_error += entry["errors"]
+        self.num_prompt_tokens += entry["num_prompt_tokens"]
+        self.num_cached_tokens += entry["num_cached_tokens"]
+        self.num_generated_tokens += entry["num_generated_tokens"]
+        self.shards_committed += 1
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s,
+                "cache_hit_rate": self.cache_hit_rate}
+
+
+def job_totals(entries: dict[int, dict]) -> dict:
+    """Sums over committed shard entries (the whole job, all tasks and runs)."""
+    keys = ("rows", "ok", "errors", "num_prompt_tokens", "num_cached_tokens",
+            "num_generated_tokens")
+    totals = {k: sum(int(e.get(k, 0)) for e in entries.values()) for k in keys}
+    totals["shards"] = len(entries)
+    p = totals["num_prompt_tokens"]
+    totals["cache_hit_rate"] = totals["num_cached_tokens"] / p if p else 0.0
+    return totals
+
+
+def write_stats(out_dir: str, run: RunStats, entries: dict[int, dict], task: str) -> dict:
+    """Write `_stats.json`: job totals over committed shards plus this run's own counters."""
+    stats = {"job": job_totals(entries), "last_run": {**run.to_dict(), "task": task}}
+    manifest.write_json(os.path.join(out_dir, manifest.STATS_FILE), stats)
+    return stats
+
+
+def summary_lines(run: RunStats, totals: dict, num_shards: int | None) -> list[str]:
+    shards = f"{totals['shards']}/{num_shards if num_shards is not None else '?'}"
+    return [
+        f"shards committed: {shards} (this run: {run.shards_committed}, "
+        f"already done: {run.shards_skipped})",
+        f"rows: {totals['ok']} ok, {totals['errors']} error(s)",
+        f"tokens: {totals['num_prompt_tokens']} prompt ({totals['num_cached_tokens']} cached, "
+        f"hit rate {totals['cache_hit_rate']:.1%}), {totals['num_generated_tokens']} generated",
+        f"this run: {run.rows_ok + run.rows_error} rows in {run.wall_s:.1f} s, "
+        f"{run.tokens_per_s:.1f} generated tok/s",
+    ]

@@ -1,0 +1,77 @@
+"""Dry run for `batchgen validate`: read, render and tokenize every row, no model weights."""
+
+from __future__ import annotations
+
+from array import array
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from batchgen.io.readers import Reader, check_columns, file_format, resolve_inputs
+from batchgen.job import JobError, JobSpec, require_prompt
+from batchgen.pipeline import engine_factory as factory
+from batchgen.planner import Planner
+from batchgen.prompts import PromptError, PromptRenderer, placeholders
+
+
+@dataclass
+class ValidateReport:
+    files: list[str]
+    rows: int = 0
+    ok: int = 0
+    errors: Counter = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)  # first few error messages
+    prompt_lengths: array = field(default_factory=lambda: array("q"))  # compact per row
+    max_output_tokens: int = 0  # sum over ok rows of n x max_tokens (an upper bound)
+
+    def lines(self) -> list[str]:
+        out = [f"input: {len(self.files)} file(s), {self.rows} rows: {self.ok} ok, "
+               f"{sum(self.errors.values())} will fail"]
+        for code, count in sorted(self.errors.items()):
+            out.append(f"  {code}: {count}")
+        out += [f"  e.g. {msg}" for msg in self.examples]
+        if self.prompt_lengths:
+            lens = sorted(self.prompt_lengths)
+            pct = lambda q: lens[min(len(lens) - 1, int(q * len(lens)))]  # noqa: E731
+            out.append(f"prompt tokens: min {lens[0]}, median {pct(0.5)}, p99 {pct(0.99)}, "
+                       f"max {lens[-1]}, total {sum(lens)}")
+            out.append(f"estimated tokens: {sum(lens)} prompt + up to {self.max_output_tokens} "
+                       f"generated = {sum(lens) + self.max_output_tokens}")
+        return out
+
+
+def validate(
+    job: JobSpec,
+    tokenizer_factory: Callable[[JobSpec], factory.TokenizerLike] | None = None,
+    max_len_fn: Callable[[JobSpec], int] | None = None,
+    max_examples: int = 10,
+) -> ValidateReport:
+    """Check the job against its input and model files; raises JobError for a bad job."""
+    files = resolve_inputs(job.input.path)
+    require_prompt(job, [file_format(f, job.input.format) for f in files])
+    columns = placeholders(job.prompt) + list(job.input.columns)
+    if job.sampling.overrides_column:
+        columns.append(job.sampling.overrides_column)
+    check_columns(files, job.input, columns)
+    tok = (tokenizer_factory or factory.build_tokenizer)(job)
+    renderer = PromptRenderer(job.prompt, tok.chat_template, tok.bos_token, tok.eos_token)
+    try:
+        renderer.check(needs_chat=job.prompt.chat is not None)
+    except PromptError as e:
+        raise JobError(f"prompt: {e}") from None
+    multi = job.sampling.base_params().get("n", 1) > 1 or job.output.format == "openai-batch"
+    planner = Planner(renderer, tok, (max_len_fn or factory.model_max_len)(job), job.sampling.base_params(),
+                      job.input.columns, job.sampling.overrides_column, allow_multi=multi)
+    report = ValidateReport(files)
+    for chunk in Reader(files, job.input, columns):
+        plan = planner.plan(chunk)
+        report.rows += len(chunk)
+        report.ok += len(plan.requests)
+        for err in plan.errors:
+            report.errors[err.error_code] += 1
+            if len(report.examples) < max_examples:
+                report.examples.append(f"[{err.error_code}] {err.error}")
+        for req in plan.requests:
+            report.prompt_lengths.append(len(req.prompt_token_ids))
+            report.max_output_tokens += req.params.n * req.params.max_tokens
+    return report

@@ -1,0 +1,226 @@
+"""Planner: render, tokenize and validate a shard's rows into engine requests plus error records.
+
+It also orders the requests for the engine: rows sharing a prompt prefix are grouped (so
+their cached prefix blocks are reused while still resident) and sorted longest-first within
+a group (so long prefills start early and short ones fill the gaps).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol
+
+from batchgen.io.readers import OPENAI_KEY
+from batchgen.io.rows import InputRow, ResultRow
+from batchgen.outputs import RequestOutput
+from batchgen.prompts import PromptError, PromptRenderer, RenderedPrompt
+from batchgen.sampling_params import SamplingParams, SamplingParamsError
+
+PREFIX_TOKENS = 32  # rows whose first 32 prompt tokens agree form one prefix group
+_PARAM_NAMES = {f.name for f in fields(SamplingParams)}
+# OpenAI body fields that map onto SamplingParams (others, e.g. "model", are ignored).
+_OPENAI_PARAMS = {
+    "max_tokens": "max_tokens",
+    "max_completion_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "seed": "seed",
+    "stop": "stop",
+    "n": "n",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+
+
+class TokenizerLike(Protocol):
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        ...
+
+
+@dataclass
+class Request:
+    """One engine request for one input row."""
+
+    index: int
+    id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    passthrough: dict[str, Any] = field(default_factory=dict)
+    chat: bool = False
+
+
+@dataclass
+class Plan:
+    requests: list[Request]  # in the order to feed the engine
+    errors: list[ResultRow]
+
+
+def row_seed(base_seed: int | None, row_id: str) -> int:
+    """A stable 63-bit seed from (job seed, row id): independent of batch, order, shard, resume."""
+    h = hashlib.blake2b(f"{base_seed or 0}\x00{row_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+class Planner:
+    """Turns InputRows into a Plan for one job.
+
+    Args:
+        renderer: renders prompts (template or chat).
+        tokenizer: anything with encode_batch(texts, add_special_tokens).
+        max_model_len: longest prompt + output the engine accepts.
+        base_params: the job's `sampling:` fields.
+        passthrough: input columns copied to the output.
+        overrides_column: optional column of per-row sampling overrides (dict or JSON text).
+        allow_multi: rows may ask for n > 1 (the output has the list layout).
+    """
+
+    def __init__(
+        self,
+        renderer: PromptRenderer,
+        tokenizer: TokenizerLike,
+        max_model_len: int,
+        base_params: dict[str, Any],
+        passthrough: tuple[str, ...] = (),
+        overrides_column: str | None = None,
+        allow_multi: bool = True,
+    ):
+        self.renderer = renderer
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.base_params = dict(base_params)
+        self.passthrough = passthrough
+        self.overrides_column = overrides_column
+        self.allow_multi = allow_multi
+
+    def plan(self, rows: list[InputRow]) -> Plan:
+        errors: list[ResultRow] = []
+        staged: list[tuple[InputRow, dict, RenderedPrompt | list[int], SamplingParams, bool]] = []
+        for row in rows:
+            keep = self._passthrough(row)
+            if row.error_code is not None:
+                errors.append(ResultRow(row.index, row.id, keep, error=row.error,
+                                        error_code=row.error_code))
+                continue
+            try:
+                prompt, chat, extra = self._prompt(row)
+                params = self._params(row, extra)
+            except PromptError as e:
+                errors.append(ResultRow.failed(row, e.code, str(e), keep))
+                continue
+            staged.append((row, keep, prompt, params, chat))
+        token_ids = self._tokenize([s[2] for s in staged])
+        requests = []
+        for (row, keep, prompt, params, chat), ids in zip(staged, token_ids):
+            if not ids or (isinstance(prompt, RenderedPrompt) and prompt.text == ""):
+                errors.append(ResultRow.failed(row, "empty_prompt", "prompt is empty", keep))
+            elif len(ids) >= self.max_model_len:
+                msg = (f"prompt has {len(ids)} tokens; the model takes at most "
+                       f"{self.max_model_len} (prompt + output), shorten the input")
+                errors.append(ResultRow.failed(row, "prompt_too_long", msg, keep, len(ids)))
+            else:
+                requests.append(Request(row.index, row.id, ids, params, keep, chat))
+        return Plan(order_requests(requests), errors)
+
+    def _passthrough(self, row: InputRow) -> dict[str, Any]:
+        data = row.data or {}
+        return {c: data.get(c) for c in self.passthrough}
+
+    def _prompt(self, row: InputRow) -> tuple[RenderedPrompt | list[int], bool, dict]:
+        openai = (row.data or {}).get(OPENAI_KEY)
+        if openai is None:
+            return self.renderer.render(row.data or {}), self.renderer.spec.chat is not None, {}
+        body = openai["body"]
+        extra = {dst: body[src] for src, dst in _OPENAI_PARAMS.items() if body.get(src) is not None}
+        if openai["url"] == "/v1/chat/completions":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise PromptError("bad_params", "body.messages must be a non-empty list")
+            return self.renderer.render_messages(messages), True, extra
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return RenderedPrompt(prompt, add_special_tokens=True), False, extra
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt), False, extra
+        raise PromptError("bad_params", "body.prompt must be a string or a list of token ids")
+
+    def _params(self, row: InputRow, extra: dict[str, Any]) -> SamplingParams:
+        kw = dict(self.base_params)
+        kw.update(extra)
+        if self.overrides_column:
+            kw.update(self._overrides(row))
+        if "seed" not in extra and not (self.overrides_column and "seed" in self._overrides(row)):
+            kw["seed"] = row_seed(self.base_params.get("seed"), row.id or "")
+        try:
+            params = SamplingParams(**kw)
+        except (SamplingParamsError, TypeError) as e:
+            raise PromptError("bad_params", str(e)) from None
+        if params.n > 1 and not self.allow_multi:
+            raise PromptError("bad_params", f"n={params.n} for one row needs sampling.n > 1 in "
+                              "the job (which makes text a list column)")
+        return params
+
+    def _overrides(self, row: InputRow) -> dict[str, Any]:
+        value = (row.data or {}).get(self.overrides_column)
+        if value is None:
+            return {}
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise PromptError("bad_params", f"{self.overrides_column}: not JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise PromptError("bad_params", f"{self.overrides_column}: expected an object")
+        value = {k: v for k, v in value.items() if v is not None}
+        unknown = sorted(set(value) - _PARAM_NAMES)
+        if unknown:
+            raise PromptError("bad_params", f"{self.overrides_column}: unknown field(s) {unknown}")
+        return value
+
+    def _tokenize(self, prompts: list[RenderedPrompt | list[int]]) -> list[list[int]]:
+        out: list[list[int] | None] = [p if isinstance(p, list) else None for p in prompts]
+        for flag in (True, False):
+            idx = [i for i, p in enumerate(prompts)
+                   if isinstance(p, RenderedPrompt) and p.add_special_tokens is flag]
+            if idx:
+                ids = self.tokenizer.encode_batch([prompts[i].text for i in idx], flag)
+                for i, toks in zip(idx, ids):
+                    out[i] = list(toks)
+        return out  # type: ignore[return-value]
+
+
+def order_requests(requests: list[Request]) -> list[Request]:
+    """Group by shared prompt prefix (groups in first-seen order), longest first in a group.
+
+    Prompts no longer than PREFIX_TOKENS form one group: their shared prefix is too short for
+    prefix caching to matter, so only the length sort applies.
+    """
+    groups: dict[tuple[int, ...], list[Request]] = {}
+    for r in requests:
+        ids = r.prompt_token_ids
+        key = tuple(ids[:PREFIX_TOKENS]) if len(ids) > PREFIX_TOKENS else ()
+        groups.setdefault(key, []).append(r)
+    ordered = []
+    for group in groups.values():
+        ordered += sorted(group, key=lambda r: -len(r.prompt_token_ids))
+    return ordered
+
+
+def to_result(request: Request, output: RequestOutput) -> ResultRow:
+    """The output row for a finished request (n > 1: text/finish_reason/tokens become lists)."""
+    base = dict(index=request.index, id=request.id, passthrough=request.passthrough,
+                chat=request.chat, num_prompt_tokens=len(request.prompt_token_ids),
+                num_cached_tokens=output.num_cached_tokens)
+    if output.error is not None or output.error_code is not None or not output.outputs:
+        code = output.error_code or "engine_error"
+        return ResultRow(**base, error=output.error or "the engine returned no output",
+                         error_code=code)
+    samples = sorted(output.outputs, key=lambda o: o.index)
+    if request.params.n == 1:
+        s = samples[0]
+        return ResultRow(**base, text=s.text, finish_reason=s.finish_reason,
+                         num_output_tokens=len(s.token_ids))
+    return ResultRow(**base, text=[s.text for s in samples],
+                     finish_reason=[s.finish_reason for s in samples],
+                     num_output_tokens=[len(s.token_ids) for s in samples])

@@ -1,0 +1,176 @@
+"""Prompts: turn one input row into prompt text, by `{column}` template or sandboxed chat template."""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+from jinja2.exceptions import SecurityError, TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from batchgen.job import PromptSpec
+
+
+class PromptError(ValueError):
+    """A prompt cannot be rendered; `code` is the stable row error code."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    text: str
+    add_special_tokens: bool  # False when a chat template already wrote BOS itself
+
+
+def _format_fields(text: str, where: str) -> list[str]:
+    """Plain column names used as `{column}` in `text`; attribute/index access is refused."""
+    names = []
+    try:
+        parsed = list(string.Formatter().parse(text))
+    except ValueError as e:
+        raise PromptError("template_error", f"{where}: {e} (write a literal brace as {{{{ or }}}})")
+    for _, name, spec, conv in parsed:
+        if name is None:
+            continue
+        if not name or not all(ch.isalnum() or ch in "_- " for ch in name) or spec or conv:
+            raise PromptError(
+                "template_error",
+                f"{where}: placeholder {{{name}{'!' + conv if conv else ''}"
+                f"{':' + spec if spec else ''}}} is not allowed; use a plain column name like "
+                "{text} (no attribute, index, conversion or format spec)",
+            )
+        names.append(name)
+    return names
+
+
+def placeholders(spec: PromptSpec) -> list[str]:
+    """Column names a prompt spec reads, in first-use order (raises PromptError if malformed)."""
+    names: list[str] = []
+    if spec.template is not None:
+        names += _format_fields(spec.template, "prompt.template")
+    for i, msg in enumerate(spec.chat or ()):
+        names += _format_fields(msg.content, f"prompt.chat[{i}].content")
+    return list(dict.fromkeys(names))
+
+
+def _fill(text: str, row: dict[str, Any]) -> str:
+    out = []
+    for literal, name, _, _ in string.Formatter().parse(text):
+        out.append(literal)
+        if name is None:
+            continue
+        if name not in row:
+            raise PromptError("missing_column", f"column {name!r} is missing from this row")
+        value = row[name]
+        if value is None:
+            raise PromptError("null_text", f"column {name!r} is null")
+        out.append(value if isinstance(value, str) else str(value))
+    return "".join(out)
+
+
+class _Undefined(jinja2.Undefined):
+    """Lenient like HF's chat templates, except that a refused (unsafe) access always fails."""
+
+    def _check(self) -> None:
+        if self._undefined_exception is SecurityError:
+            self._fail_with_undefined_error()
+
+    def __str__(self) -> str:
+        self._check()
+        return super().__str__()
+
+    def __bool__(self) -> bool:
+        self._check()
+        return super().__bool__()
+
+    def __iter__(self):
+        self._check()
+        return super().__iter__()
+
+
+def _raise_exception(message: str):
+    raise TemplateError(message)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, undefined=_Undefined, autoescape=False
+    )
+    env.globals["raise_exception"] = _raise_exception
+    try:
+        return env.from_string(source)
+    except TemplateError as e:
+        raise PromptError("template_error", f"chat template does not compile: {e}") from None
+
+
+class PromptRenderer:
+    """Renders rows into prompt text for one job.
+
+    Args:
+        spec: the job's prompt section.
+        chat_template: the model's chat template (spec.chat_template takes precedence).
+        bos_token / eos_token: the tokenizer's special token strings, given to chat templates.
+    """
+
+    def __init__(
+        self,
+        spec: PromptSpec,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+    ):
+        self.spec = spec
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self._source = spec.chat_template or chat_template
+        self._template: jinja2.Template | None = None
+
+    def check(self, needs_chat: bool) -> None:
+        """Fail early (PromptError) if chat prompts are needed but the template is unusable."""
+        if not needs_chat:
+            return
+        self._chat_template()
+        self.render_messages([{"role": "user", "content": "probe"}])
+
+    def _chat_template(self) -> jinja2.Template:
+        if self._template is None:
+            if not self._source:
+                raise PromptError(
+                    "template_error",
+                    "chat prompts need a chat template, but the model has none; set "
+                    "prompt.chat_template or use prompt.template",
+                )
+            self._template = compile_chat_template(self._source)
+        return self._template
+
+    def render_messages(self, messages: list[dict[str, Any]]) -> RenderedPrompt:
+        template = self._chat_template()
+        try:
+            text = template.render(
+                messages=messages,
+                add_generation_prompt=True,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except SecurityError as e:
+            raise PromptError("template_error", f"chat template refused by sandbox: {e}") from None
+        except TemplateError as e:
+            raise PromptError("template_error", f"chat template failed: {e}") from None
+        except Exception as e:  # a template can raise anything a filter raises
+            raise PromptError("template_error", f"chat template failed: {e!r}") from None
+        has_bos = bool(self.bos_token) and text.startswith(self.bos_token)
+        return RenderedPrompt(text, add_special_tokens=not has_bos)
+
+    def render(self, row: dict[str, Any]) -> RenderedPrompt:
+        """Render a row of the job's own prompt spec (template or chat)."""
+        if self.spec.template is not None:
+            return RenderedPrompt(_fill(self.spec.template, row), add_special_tokens=True)
+        if self.spec.chat is None:
+            raise PromptError("template_error", "the job has no prompt.template or prompt.chat")
+        msgs = [{"role": m.role, "content": _fill(m.content, row)} for m in self.spec.chat]
+        return self.render_messages(msgs)

@@ -1,0 +1,74 @@
+"""Sampler: filtering masks, penalties, and keyed randomness that follows the distribution."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from batchgen.engine.sampler import Sampler, SamplingBatch, _top_k_top_p
+from batchgen.sampling_params import SamplingParams
+
+
+def batch(params, seeds=None, steps=None, prompt=None, output=None, suppress=None):
+    n = len(params)
+    return SamplingBatch(
+        params,
+        seeds or [0] * n,
+        steps or [0] * n,
+        prompt or [[]] * n,
+        output or [[]] * n,
+        suppress or [[]] * n,
+    )
+
+
+def test_top_k_and_top_p_masks():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]))
+    out = _top_k_top_p(logits.clone(), [2, 0], [1.0, 0.7])
+    assert torch.isfinite(out[0]).tolist() == [True, True, False, False]
+    # Nucleus 0.7: 0.5 (< 0.7 before it: keep), 0.3 (0.5 before it: keep), 0.15 (0.8: drop).
+    assert torch.isfinite(out[1]).tolist() == [True, True, False, False]
+
+
+def test_sampling_frequencies_follow_probabilities():
+    probs = torch.tensor([0.6, 0.25, 0.1, 0.05])
+    logits = torch.log(probs).repeat(4000, 1)
+    params = [SamplingParams(temperature=1.0)] * 4000
+    tokens, _ = Sampler()(logits, batch(params, seeds=list(range(4000)), steps=[3] * 4000))
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / 4000
+    # 4000 draws: a 4-sigma band for each frequency.
+    for f, p in zip(freq.tolist(), probs.tolist()):
+        assert abs(f - p) < 4 * math.sqrt(p * (1 - p) / 4000)
+
+
+def test_same_seed_and_step_same_token_other_step_varies():
+    logits = torch.zeros(1, 1000)
+    s = Sampler()
+    p = [SamplingParams(temperature=1.0)]
+    a = s(logits.clone(), batch(p, seeds=[42], steps=[0]))[0]
+    assert a == s(logits.clone(), batch(p, seeds=[42], steps=[0]))[0]
+    draws = {s(logits.clone(), batch(p, seeds=[42], steps=[k]))[0][0] for k in range(20)}
+    assert len(draws) > 10
+
+
+def test_min_p_and_suppression_and_greedy():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    s = Sampler()
+    tokens, _ = s(logits.clone(), batch([SamplingParams(temperature=0.0)], suppress=[[0]]))
+    assert tokens == [1]
+    seen = set()
+    for seed in range(200):
+        params = [SamplingParams(temperature=1.0, min_p=0.5)]
+        seen.add(s(logits.clone(), batch(params, seeds=[seed]))[0][0])
+    assert seen == {0, 1}  # 0.15 < 0.5 * 0.5: tokens 2 and 3 are never drawn
+
+
+def test_penalties():
+    logits = torch.tensor([[2.0, 1.9, -1.0]])
+    s = Sampler()
+    rep = [SamplingParams(temperature=0.0, repetition_penalty=2.0)]
+    assert s(logits.clone(), batch(rep, prompt=[[0]]))[0] == [1]  # 2.0 / 2 < 1.9
+    freq = [SamplingParams(temperature=0.0, frequency_penalty=0.2)]
+    assert s(logits.clone(), batch(freq, output=[[0]]))[0] == [1]  # 2.0 - 0.2 < 1.9
+    pres = [SamplingParams(temperature=0.0, presence_penalty=0.05)]
+    assert s(logits.clone(), batch(pres, output=[[0, 0, 0]]))[0] == [0]  # once, not per count

@@ -1,0 +1,36 @@
+"""SamplingParams validation names the field at fault."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchgen.sampling_params import SamplingParams, SamplingParamsError
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"n": 0}, "n"),
+        ({"seed": -1}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+    ],
+)
+def test_bad_values_name_the_field(kwargs, field):
+    with pytest.raises(SamplingParamsError, match=rf"SamplingParams\.{field}="):
+        SamplingParams(**kwargs)
+
+
+def test_stop_accepts_string_and_list():
+    assert SamplingParams(stop="###").stop == ("###",)
+    assert SamplingParams(stop=["a", "b"], stop_token_ids=[3]).stop_token_ids == (3,)
+    assert SamplingParams(temperature=0).greedy
