@@ -264,17 +264,11 @@ class LLMEngine:
         return finished_outputs
 
     def _release_followers(self) -> None:
-        for leader_id in list(self._followers):
-            leader = next(
-                (s for r in self._requests.values() for s in r.seqs if s.seq_id == leader_id),
-                None,
-            )
-            if (
-                leader is None
-                or leader.is_finished
-                or (leader.num_computed_tokens >= leader.score_from - 1)
-            ):
-                for seq in self._followers.pop(leader_id):
+        """Queue score candidates whose leader has computed the shared prompt (or is gone)."""
+        for leader_id, (leader, followers) in list(self._followers.items()):
+            if leader.is_finished or leader.num_computed_tokens >= leader.score_from - 1:
+                del self._followers[leader_id]
+                for seq in followers:
                     error = self.scheduler.add(seq)
                     assert error is None, error  # validated by _precheck
 
