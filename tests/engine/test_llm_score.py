@@ -1,4 +1,4 @@
-"""LLM.score equals transformers' log-likelihoods, computes each prompt once, fails per candidate."""
+"""LLM.score equals transformers' log-likelihoods, computes prompts once, fails per candidate."""
 
 from __future__ import annotations
 
