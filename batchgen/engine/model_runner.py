@@ -10,6 +10,7 @@ import itertools
 import torch
 
 from batchgen.config import ConfigError, EngineConfig
+from batchgen.engine.cuda_graph import DecodeGraphs
 from batchgen.engine.sampler import Sampler, SamplingBatch
 from batchgen.engine.scheduler_output import ScheduledSequence
 from batchgen.engine.step_inputs import StepInputs, build_step_inputs
@@ -78,6 +79,15 @@ class ModelRunner:
         self.kv_caches = [
             (self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(c.num_hidden_layers)
         ]
+        self.graphs = None
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                self.config.max_num_seqs,
+                max_model_len,
+                self.block_size,
+            )
 
     def block_bytes(self) -> int:
         c = self.model_config
@@ -151,9 +161,12 @@ class ModelRunner:
                 for every scored position, in order.
         """
         step = build_step_inputs(scheduled, self.block_size)
-        input_ids = self._tensor(step.input_ids, torch.int64)
-        positions = self._tensor(step.positions, torch.int64)
-        hidden = self.model(input_ids, positions, self._context(step))  # [T, H]
+        if self.graphs is not None and self.graphs.can_run(step):
+            hidden = self.graphs.run(step)  # [B, H]
+        else:
+            input_ids = self._tensor(step.input_ids, torch.int64)
+            positions = self._tensor(step.positions, torch.int64)
+            hidden = self.model(input_ids, positions, self._context(step))  # [T, H]
         tokens: list[int] = []
         logprobs = None
         if step.sample_rows:

@@ -127,3 +127,18 @@ def test_dtype_auto_is_float32_on_cpu(tiny_model_dir):
     assert next(model.parameters()).dtype == torch.float32
     model, _ = load_model(tiny_model_dir("llama"), "bfloat16", "cpu")
     assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_hf_export_round_trips_through_the_loader(tiny_model_dir):
+    from batchgen.models.hf_export import to_hf_state_dict
+    from batchgen.models.loader import build_model, load_weights
+
+    model, config = load_model(tiny_model_dir("qwen2"))
+    exported = to_hf_state_dict(model)
+    original = load_file(os.path.join(tiny_model_dir("qwen2"), "model.safetensors"))
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+    fresh = build_model(config, torch.float32, torch.device("cpu"))
+    load_weights(fresh, (("export", k, v) for k, v in exported.items()))
+    for (name, a), (_, b) in zip(fresh.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), name

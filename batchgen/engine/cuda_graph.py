@@ -1,0 +1,111 @@
+"""DecodeGraphs: CUDA graphs of the decode forward over batch-size buckets.
+
+A decode step of a small model is dozens of short kernels per layer; launching them from Python
+costs more than running them. Each bucket's forward is captured once over static input
+buffers; a step copies its inputs into the buffers (padding up to the bucket) and replays.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchgen.engine.step_inputs import StepInputs
+from batchgen.layers.context import AttentionContext
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch]
+    sizes += list(range(16, max_batch, 16))
+    return sorted(set(sizes + [max_batch]))
+
+
+class DecodeGraphs:
+    """Captured decode forwards for batches of 1..max_batch sequences.
+
+    Args:
+        model: the causal LM (forward(input_ids, positions, ctx) -> hidden [T, H]).
+        kv_caches: per-layer (k_cache, v_cache) the graphs read and write.
+        max_batch: largest batch captured (max_num_seqs).
+        max_model_len: longest context; sizes the static block table and the decode splits.
+        block_size: tokens per KV block.
+    """
+
+    def __init__(self, model, kv_caches, max_batch: int, max_model_len: int, block_size: int):
+        device = kv_caches[0][0].device
+        self.sizes = bucket_sizes(max_batch)
+        self.max_blocks = -(-max_model_len // block_size)
+        self.max_model_len = max_model_len
+        n = max_batch
+        # Static inputs, [n] or [n, max_blocks]; a replay reads whatever they hold.
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._capture(model, kv_caches)
+
+    def _context(self, bs: int, kv_caches) -> AttentionContext:
+        return AttentionContext(
+            cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            max_seqlen_q=1,
+            max_seqlen_k=self.max_model_len,
+            slot_mapping=self.slot_mapping[:bs],
+            block_tables=self.block_tables[:bs],
+            kv_caches=kv_caches,
+            is_decode=True,
+        )
+
+    @torch.inference_mode()
+    def _capture(self, model, kv_caches) -> None:
+        pool = None
+        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
+            ctx = self._context(bs, kv_caches)
+            args = (self.input_ids[:bs], self.positions[:bs], ctx)
+            model(*args)  # warm-up: compiles kernels outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = model(*args)  # [bs, H]
+            pool = graph.pool()
+            self.graphs[bs] = (graph, out)
+        torch.cuda.synchronize()
+
+    def can_run(self, step: StepInputs) -> bool:
+        return (
+            step.is_decode
+            and len(step.seq_lens) <= self.sizes[-1]
+            and max(len(t) for t in step.block_tables) <= self.max_blocks
+        )
+
+    def run(self, step: StepInputs) -> torch.Tensor:
+        """Replay the smallest bucket that holds the step; returns hidden states [B, H]."""
+        b = len(step.seq_lens)
+        bs = next(s for s in self.sizes if s >= b)
+        width = max(len(t) for t in step.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in step.block_tables]
+        pad = bs - b
+        # Padding rows store nothing (slot -1) and attend to one dummy key.
+        host = torch.tensor(
+            [
+                step.input_ids + [0] * pad,
+                step.positions + [0] * pad,
+                step.slot_mapping + [-1] * pad,
+                step.seq_lens + [1] * pad,
+            ],
+            dtype=torch.int64,
+        ).pin_memory()
+        dev = host.to(self.input_ids.device, non_blocking=True)
+        self.input_ids[:bs].copy_(dev[0])
+        self.positions[:bs].copy_(dev[1])
+        self.slot_mapping[:bs].copy_(dev[2])
+        self.seq_lens[:bs].copy_(dev[3])
+        bt = torch.tensor(tables, dtype=torch.int32).pin_memory()
+        self.block_tables[:b, :width].copy_(bt, non_blocking=True)
+        if pad:
+            self.block_tables[b:bs, :1].zero_()
+        graph, out = self.graphs[bs]
+        graph.replay()
+        return out[:b]
