@@ -35,7 +35,10 @@ def main() -> None:
 
 
 _set_option = click.option(
-    "--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY.PATH=VALUE",
     help="Override a job key, e.g. --set sampling.temperature=0.7 (value parsed as YAML).",
 )
 
@@ -43,11 +46,18 @@ _set_option = click.option(
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @_set_option
-@click.option("--overwrite", is_flag=True, help="Discard outputs of a different job in output.path.")
+@click.option(
+    "--overwrite", is_flag=True, help="Discard outputs of a different job in output.path."
+)
 @click.option("--strict", is_flag=True, help="Exit 1 if any row ended as an error record.")
-@click.option("--shard", "shard", metavar="I/N", default=None,
-              help="Process only shards k with k % N == I (default: from SLURM_ARRAY_TASK_ID/"
-                   "SLURM_ARRAY_TASK_COUNT, else all).")
+@click.option(
+    "--shard",
+    "shard",
+    metavar="I/N",
+    default=None,
+    help="Process only shards k with k % N == I (default: from SLURM_ARRAY_TASK_ID/"
+    "SLURM_ARRAY_TASK_COUNT, else all).",
+)
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a tty).")
 def run(job_file, overrides, overwrite, strict, shard, progress) -> None:
     """Run JOB_FILE: generate for every input row and commit sharded output.
@@ -62,8 +72,13 @@ def run(job_file, overrides, overwrite, strict, shard, progress) -> None:
         job = load_job(job_file, overrides)
         selector = ShardSelector.parse(shard or _default_shard() or "0/1")
         show = sys.stderr.isatty() if progress is None else progress
-        result = Runner(job, shard=selector, overwrite=overwrite, progress=show,
-                        log=lambda m: click.echo(m, err=True)).run()
+        result = Runner(
+            job,
+            shard=selector,
+            overwrite=overwrite,
+            progress=show,
+            log=lambda m: click.echo(m, err=True),
+        ).run()
     except JobError as e:
         _fail(str(e))
     for line in result.lines:
@@ -104,21 +119,28 @@ def status(out_dir) -> None:
     job = manifest.read_job(out_dir)
     if job is None:
         _fail(f"{out_dir}: no batchgen output here (no {manifest.JOB_FILE})")
-    entries = {k: e for k, e in manifest.read_entries(out_dir).items()
-               if e.get("fingerprint") == job["fingerprint"]}
+    entries = {
+        k: e
+        for k, e in manifest.read_entries(out_dir).items()
+        if e.get("fingerprint") == job["fingerprint"]
+    }
     totals = job_totals(entries)
     total = job.get("num_shards")
     done = os.path.exists(os.path.join(out_dir, manifest.SUCCESS_FILE))
     click.echo(f"{out_dir}: {'complete' if done else 'in progress'}")
     click.echo(f"shards: {totals['shards']}/{total if total is not None else '?'} committed")
     click.echo(f"rows: {totals['ok']} ok, {totals['errors']} error(s)")
-    click.echo(f"tokens: {totals['num_prompt_tokens']} prompt ({totals['num_cached_tokens']} "
-               f"cached), {totals['num_generated_tokens']} generated")
+    click.echo(
+        f"tokens: {totals['num_prompt_tokens']} prompt ({totals['num_cached_tokens']} "
+        f"cached), {totals['num_generated_tokens']} generated"
+    )
     try:
         with open(os.path.join(out_dir, manifest.STATS_FILE)) as f:
             last = json.load(f)["last_run"]
-        click.echo(f"last run (task {last['task']}): {last['wall_s']:.1f} s, "
-                   f"{last['tokens_per_s']:.1f} generated tok/s")
+        click.echo(
+            f"last run (task {last['task']}): {last['wall_s']:.1f} s, "
+            f"{last['tokens_per_s']:.1f} generated tok/s"
+        )
     except (OSError, ValueError, KeyError):
         pass
 

@@ -35,8 +35,9 @@ _OPENAI_PARAMS = {
 
 
 class TokenizerLike(Protocol):
-    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        ...
+    def encode_batch(
+        self, texts: list[str], add_special_tokens: bool = True
+    ) -> list[list[int]]: ...
 
 
 @dataclass
@@ -100,8 +101,9 @@ class Planner:
         for row in rows:
             keep = self._passthrough(row)
             if row.error_code is not None:
-                errors.append(ResultRow(row.index, row.id, keep, error=row.error,
-                                        error_code=row.error_code))
+                errors.append(
+                    ResultRow(row.index, row.id, keep, error=row.error, error_code=row.error_code)
+                )
                 continue
             try:
                 prompt, chat, extra = self._prompt(row)
@@ -116,8 +118,10 @@ class Planner:
             if not ids or (isinstance(prompt, RenderedPrompt) and prompt.text == ""):
                 errors.append(ResultRow.failed(row, "empty_prompt", "prompt is empty", keep))
             elif len(ids) >= self.max_model_len:
-                msg = (f"prompt has {len(ids)} tokens; the model takes at most "
-                       f"{self.max_model_len} (prompt + output), shorten the input")
+                msg = (
+                    f"prompt has {len(ids)} tokens; the model takes at most "
+                    f"{self.max_model_len} (prompt + output), shorten the input"
+                )
                 errors.append(ResultRow.failed(row, "prompt_too_long", msg, keep, len(ids)))
             else:
                 requests.append(Request(row.index, row.id, ids, params, keep, chat))
@@ -157,8 +161,11 @@ class Planner:
         except (SamplingParamsError, TypeError) as e:
             raise PromptError("bad_params", str(e)) from None
         if params.n > 1 and not self.allow_multi:
-            raise PromptError("bad_params", f"n={params.n} for one row needs sampling.n > 1 in "
-                              "the job (which makes text a list column)")
+            raise PromptError(
+                "bad_params",
+                f"n={params.n} for one row needs sampling.n > 1 in "
+                "the job (which makes text a list column)",
+            )
         return params
 
     def _overrides(self, row: InputRow) -> dict[str, Any]:
@@ -169,7 +176,9 @@ class Planner:
             try:
                 value = json.loads(value)
             except ValueError as e:
-                raise PromptError("bad_params", f"{self.overrides_column}: not JSON ({e})") from None
+                raise PromptError(
+                    "bad_params", f"{self.overrides_column}: not JSON ({e})"
+                ) from None
         if not isinstance(value, dict):
             raise PromptError("bad_params", f"{self.overrides_column}: expected an object")
         value = {k: v for k, v in value.items() if v is not None}
@@ -181,8 +190,11 @@ class Planner:
     def _tokenize(self, prompts: list[RenderedPrompt | list[int]]) -> list[list[int]]:
         out: list[list[int] | None] = [p if isinstance(p, list) else None for p in prompts]
         for flag in (True, False):
-            idx = [i for i, p in enumerate(prompts)
-                   if isinstance(p, RenderedPrompt) and p.add_special_tokens is flag]
+            idx = [
+                i
+                for i, p in enumerate(prompts)
+                if isinstance(p, RenderedPrompt) and p.add_special_tokens is flag
+            ]
             if idx:
                 ids = self.tokenizer.encode_batch([prompts[i].text for i in idx], flag)
                 for i, toks in zip(idx, ids):
@@ -209,18 +221,28 @@ def order_requests(requests: list[Request]) -> list[Request]:
 
 def to_result(request: Request, output: RequestOutput) -> ResultRow:
     """The output row for a finished request (n > 1: text/finish_reason/tokens become lists)."""
-    base = dict(index=request.index, id=request.id, passthrough=request.passthrough,
-                chat=request.chat, num_prompt_tokens=len(request.prompt_token_ids),
-                num_cached_tokens=output.num_cached_tokens)
+    base = dict(
+        index=request.index,
+        id=request.id,
+        passthrough=request.passthrough,
+        chat=request.chat,
+        num_prompt_tokens=len(request.prompt_token_ids),
+        num_cached_tokens=output.num_cached_tokens,
+    )
     if output.error is not None or output.error_code is not None or not output.outputs:
         code = output.error_code or "engine_error"
-        return ResultRow(**base, error=output.error or "the engine returned no output",
-                         error_code=code)
+        return ResultRow(
+            **base, error=output.error or "the engine returned no output", error_code=code
+        )
     samples = sorted(output.outputs, key=lambda o: o.index)
     if request.params.n == 1:
         s = samples[0]
-        return ResultRow(**base, text=s.text, finish_reason=s.finish_reason,
-                         num_output_tokens=len(s.token_ids))
-    return ResultRow(**base, text=[s.text for s in samples],
-                     finish_reason=[s.finish_reason for s in samples],
-                     num_output_tokens=[len(s.token_ids) for s in samples])
+        return ResultRow(
+            **base, text=s.text, finish_reason=s.finish_reason, num_output_tokens=len(s.token_ids)
+        )
+    return ResultRow(
+        **base,
+        text=[s.text for s in samples],
+        finish_reason=[s.finish_reason for s in samples],
+        num_output_tokens=[len(s.token_ids) for s in samples],
+    )

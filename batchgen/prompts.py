@@ -1,4 +1,4 @@
-"""Prompts: turn one input row into prompt text, by `{column}` template or sandboxed chat template."""
+"""Prompts: render an input row as prompt text ({column} template or sandboxed chat template)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def _format_fields(text: str, where: str) -> list[str]:
     try:
         parsed = list(string.Formatter().parse(text))
     except ValueError as e:
-        raise PromptError("template_error", f"{where}: {e} (write a literal brace as {{{{ or }}}})")
+        hint = "write a literal brace as {{ or }}"
+        raise PromptError("template_error", f"{where}: {e} ({hint})") from None
     for _, name, spec, conv in parsed:
         if name is None:
             continue

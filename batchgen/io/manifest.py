@@ -85,9 +85,7 @@ def verify_entry(out_dir: str, entry: dict, fingerprint: str) -> bool:
 
 def committed_shards(out_dir: str, fingerprint: str) -> dict[int, dict]:
     """Verified entries by shard number."""
-    return {
-        k: e for k, e in read_entries(out_dir).items() if verify_entry(out_dir, e, fingerprint)
-    }
+    return {k: e for k, e in read_entries(out_dir).items() if verify_entry(out_dir, e, fingerprint)}
 
 
 def remove_stray_temps(out_dir: str, owns) -> list[str]:

@@ -25,15 +25,21 @@ def output_line(result: ResultRow, model: str, created: int | None = None) -> di
     reasons = _as_list(result.finish_reason)
     completion = sum(_as_list(result.num_output_tokens))
     if result.chat:
-        obj, choices = "chat.completion", [
-            {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r}
-            for i, (t, r) in enumerate(zip(texts, reasons))
-        ]
+        obj, choices = (
+            "chat.completion",
+            [
+                {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r}
+                for i, (t, r) in enumerate(zip(texts, reasons))
+            ],
+        )
     else:
-        obj, choices = "text_completion", [
-            {"index": i, "text": t, "finish_reason": r, "logprobs": None}
-            for i, (t, r) in enumerate(zip(texts, reasons))
-        ]
+        obj, choices = (
+            "text_completion",
+            [
+                {"index": i, "text": t, "finish_reason": r, "logprobs": None}
+                for i, (t, r) in enumerate(zip(texts, reasons))
+            ],
+        )
     body = {
         "id": f"{'chatcmpl' if result.chat else 'cmpl'}-{digest}",
         "object": obj,

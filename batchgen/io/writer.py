@@ -73,9 +73,7 @@ def to_frame(rows: list[ResultRow], layout: ShardLayout) -> pl.DataFrame:
     cols["error"] = pl.Series("error", [r.error for r in rows], dtype=pl.String)
     cols["error_code"] = pl.Series("error_code", [r.error_code for r in rows], dtype=pl.String)
     cols["num_prompt_tokens"] = pl.Series([r.num_prompt_tokens for r in rows], dtype=pl.Int64)
-    cols["num_output_tokens"] = pl.Series(
-        [shaped(r.num_output_tokens) for r in rows], dtype=int_t
-    )
+    cols["num_output_tokens"] = pl.Series([shaped(r.num_output_tokens) for r in rows], dtype=int_t)
     cols["num_cached_tokens"] = pl.Series([r.num_cached_tokens for r in rows], dtype=pl.Int64)
     return pl.DataFrame([s.alias(n) for n, s in cols.items()])
 

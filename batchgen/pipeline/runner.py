@@ -65,7 +65,7 @@ class Runner:
     def __init__(
         self,
         job: JobSpec,
-        shard: ShardSelector = ShardSelector(),
+        shard: ShardSelector | None = None,
         overwrite: bool = False,
         engine_factory: Callable[[JobSpec], factory.EngineLike] | None = None,
         tokenizer_factory: Callable[[JobSpec], factory.TokenizerLike] | None = None,
@@ -77,7 +77,7 @@ class Runner:
         log: Callable[[str], None] | None = None,
     ):
         self.job = job
-        self.shard = shard
+        self.shard = shard or ShardSelector()
         self.overwrite = overwrite
         # Looked up at call time so tests can swap engine_factory.build_engine / build_tokenizer.
         self.engine_factory = engine_factory or factory.build_engine
@@ -180,10 +180,13 @@ class Runner:
         stats = write_stats(self.out_dir, self.stats, entries, str(self.shard))
         lines = summary_lines(self.stats, stats["job"], num_shards)
         if not finished:
-            lines.append(f"interrupted by {self.stop.signal_name}: committed shards are kept; "
-                         f"run the same command again to resume (exit {EX_TEMPFAIL})")
-        return RunResult(0 if finished else EX_TEMPFAIL, self.stats, stats["job"], num_shards,
-                         complete, lines)
+            lines.append(
+                f"interrupted by {self.stop.signal_name}: committed shards are kept; "
+                f"run the same command again to resume (exit {EX_TEMPFAIL})"
+            )
+        return RunResult(
+            0 if finished else EX_TEMPFAIL, self.stats, stats["job"], num_shards, complete, lines
+        )
 
     def _layout(self) -> ShardLayout:
         dtypes = {}
@@ -194,16 +197,24 @@ class Runner:
                 break
         multi = self.job.sampling.base_params().get("n", 1) > 1
         passthrough = tuple((c, dtypes.get(c)) for c in self.job.input.columns)
-        return ShardLayout(passthrough, multi, self.job.output.format,
-                           self.job.output.compression, os.path.basename(self.job.model.path))
+        return ShardLayout(
+            passthrough,
+            multi,
+            self.job.output.format,
+            self.job.output.compression,
+            os.path.basename(self.job.model.path),
+        )
 
     def _planner(self) -> Planner:
         if self.engine is None:
             self.log(f"loading model {self.job.model.path} ...")
             self.engine = self.engine_factory(self.job)
             self._plan = Planner(
-                self.renderer, self.tokenizer, self.engine.max_model_len,
-                self.job.sampling.base_params(), self.job.input.columns,
+                self.renderer,
+                self.tokenizer,
+                self.engine.max_model_len,
+                self.job.sampling.base_params(),
+                self.job.input.columns,
                 self.job.sampling.overrides_column,
                 allow_multi=self.layout.multi or self.layout.fmt == "openai-batch",
             )
@@ -222,8 +233,10 @@ class Runner:
         while True:
             if self.stop.is_set() and deadline is None:
                 deadline = time.monotonic() + self.grace_s
-                self.log(f"{self.stop.signal_name}: no new rows; finishing in-flight shards "
-                         f"(up to {self.grace_s:.0f} s)")
+                self.log(
+                    f"{self.stop.signal_name}: no new rows; finishing in-flight shards "
+                    f"(up to {self.grace_s:.0f} s)"
+                )
                 self._drop_unstarted_shards()
             while deadline is None and not input_done and len(self._queue) < self.max_in_flight:
                 input_done = not self._read_chunk()

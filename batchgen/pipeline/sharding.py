@@ -24,11 +24,12 @@ class ShardSelector:
     @classmethod
     def parse(cls, text: str) -> ShardSelector:
         """Parse 'I/N' (0-based I)."""
-        i, sep, n = text.partition("/")
+        i, _, n = text.partition("/")
         try:
-            return cls(int(i), int(n))
+            index, count = int(i), int(n)
         except ValueError:
             raise JobError(f"--shard {text!r}: expected I/N, e.g. --shard 0/4") from None
+        return cls(index, count)
 
     def __str__(self) -> str:
         return f"{self.index}/{self.count}"

@@ -38,14 +38,23 @@ class RunStats:
         return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "tokens_per_s": self.tokens_per_s,
-                "cache_hit_rate": self.cache_hit_rate}
+        return {
+            **asdict(self),
+            "tokens_per_s": self.tokens_per_s,
+            "cache_hit_rate": self.cache_hit_rate,
+        }
 
 
 def job_totals(entries: dict[int, dict]) -> dict:
     """Sums over committed shard entries (the whole job, all tasks and runs)."""
-    keys = ("rows", "ok", "errors", "num_prompt_tokens", "num_cached_tokens",
-            "num_generated_tokens")
+    keys = (
+        "rows",
+        "ok",
+        "errors",
+        "num_prompt_tokens",
+        "num_cached_tokens",
+        "num_generated_tokens",
+    )
     totals = {k: sum(int(e.get(k, 0)) for e in entries.values()) for k in keys}
     totals["shards"] = len(entries)
     p = totals["num_prompt_tokens"]

@@ -25,18 +25,24 @@ class ValidateReport:
     max_output_tokens: int = 0  # sum over ok rows of n x max_tokens (an upper bound)
 
     def lines(self) -> list[str]:
-        out = [f"input: {len(self.files)} file(s), {self.rows} rows: {self.ok} ok, "
-               f"{sum(self.errors.values())} will fail"]
+        out = [
+            f"input: {len(self.files)} file(s), {self.rows} rows: {self.ok} ok, "
+            f"{sum(self.errors.values())} will fail"
+        ]
         for code, count in sorted(self.errors.items()):
             out.append(f"  {code}: {count}")
         out += [f"  e.g. {msg}" for msg in self.examples]
         if self.prompt_lengths:
             lens = sorted(self.prompt_lengths)
             pct = lambda q: lens[min(len(lens) - 1, int(q * len(lens)))]  # noqa: E731
-            out.append(f"prompt tokens: min {lens[0]}, median {pct(0.5)}, p99 {pct(0.99)}, "
-                       f"max {lens[-1]}, total {sum(lens)}")
-            out.append(f"estimated tokens: {sum(lens)} prompt + up to {self.max_output_tokens} "
-                       f"generated = {sum(lens) + self.max_output_tokens}")
+            out.append(
+                f"prompt tokens: min {lens[0]}, median {pct(0.5)}, p99 {pct(0.99)}, "
+                f"max {lens[-1]}, total {sum(lens)}"
+            )
+            out.append(
+                f"estimated tokens: {sum(lens)} prompt + up to {self.max_output_tokens} "
+                f"generated = {sum(lens) + self.max_output_tokens}"
+            )
         return out
 
 
@@ -60,8 +66,15 @@ def validate(
     except PromptError as e:
         raise JobError(f"prompt: {e}") from None
     multi = job.sampling.base_params().get("n", 1) > 1 or job.output.format == "openai-batch"
-    planner = Planner(renderer, tok, (max_len_fn or factory.model_max_len)(job), job.sampling.base_params(),
-                      job.input.columns, job.sampling.overrides_column, allow_multi=multi)
+    planner = Planner(
+        renderer,
+        tok,
+        (max_len_fn or factory.model_max_len)(job),
+        job.sampling.base_params(),
+        job.input.columns,
+        job.sampling.overrides_column,
+        allow_multi=multi,
+    )
     report = ValidateReport(files)
     for chunk in Reader(files, job.input, columns):
         plan = planner.plan(chunk)

@@ -1,0 +1,83 @@
+"""Writer and manifest: atomic shard files, entries, verification, stray temp cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import polars as pl
+
+from batchgen.io import manifest
+from batchgen.io.rows import ResultRow
+from batchgen.io.writer import ShardLayout, write_shard
+
+
+def results():
+    return [
+        ResultRow(1, "b", {"topic": None}, "t1", "stop", num_prompt_tokens=3, num_output_tokens=2),
+        ResultRow(0, "a", {"topic": "x"}, "t0", "length", num_prompt_tokens=4, num_output_tokens=5),
+        ResultRow(2, None, {}, error="f:3: broken", error_code="bad_json"),
+    ]
+
+
+def test_parquet_shard_columns_and_order(tmp_path):
+    entry = write_shard(str(tmp_path), 3, results(), ShardLayout((("topic", None),)))
+    assert entry["file"] == "part-00003.parquet"
+    df = pl.read_parquet(tmp_path / "part-00003.parquet")
+    assert df.columns == [
+        "id",
+        "topic",
+        "text",
+        "finish_reason",
+        "error",
+        "error_code",
+        "num_prompt_tokens",
+        "num_output_tokens",
+        "num_cached_tokens",
+    ]
+    assert df["id"].to_list() == ["a", "b", None]
+    assert df["finish_reason"].to_list() == ["length", "stop", "error"]
+    assert df["topic"].dtype == pl.String
+    assert os.path.getsize(tmp_path / "part-00003.parquet") == entry["size"]
+    assert [p for p in os.listdir(tmp_path) if ".tmp-" in p] == []
+
+
+def test_multi_layout_error_row(tmp_path):
+    rows = [
+        ResultRow(0, "a", {}, ["x", "y"], ["stop", "length"], num_output_tokens=[1, 2]),
+        ResultRow(1, "b", {}, error="e", error_code="bad_params"),
+    ]
+    write_shard(str(tmp_path), 0, rows, ShardLayout(multi=True))
+    df = pl.read_parquet(tmp_path / "part-00000.parquet")
+    assert df["text"].to_list() == [["x", "y"], None]
+    assert df["finish_reason"].to_list() == [["stop", "length"], ["error"]]
+
+
+def test_openai_jsonl_shard(tmp_path):
+    entry = write_shard(str(tmp_path), 0, results(), ShardLayout(fmt="openai-batch", model="m"))
+    lines = [json.loads(x) for x in (tmp_path / entry["file"]).read_text().splitlines()]
+    assert [x["custom_id"] for x in lines] == ["a", "b", None]
+    assert lines[0]["response"]["body"]["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 5,
+        "total_tokens": 9,
+    }
+    assert lines[2]["error"]["code"] == "bad_json"
+
+
+def test_manifest_verify_and_cleanup(tmp_path):
+    out = str(tmp_path)
+    entry = write_shard(out, 0, results(), ShardLayout())
+    manifest.write_entry(out, 0, {**entry, "rows": 3, "fingerprint": "f1"})
+    assert set(manifest.committed_shards(out, "f1")) == {0}
+    assert manifest.committed_shards(out, "other") == {}
+    data = (tmp_path / "part-00000.parquet").read_bytes()
+    (tmp_path / "part-00000.parquet").write_bytes(data[: len(data) // 2])
+    assert manifest.committed_shards(out, "f1") == {}
+    (tmp_path / ".part-00001.parquet.tmp-1-aa").write_text("x")
+    (tmp_path / ".part-00002.parquet.tmp-1-bb").write_text("x")
+    removed = manifest.remove_stray_temps(out, lambda k: k % 2 == 1)
+    assert removed == [".part-00001.parquet.tmp-1-aa"]
+    assert manifest.mark_success_if_complete(out, "f1", 1) is False
+    manifest.clear_outputs(out)
+    assert os.listdir(out) == []

@@ -1,0 +1,117 @@
+"""A deterministic stand-in for LLMEngine and Tokenizer (CPU, no model)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+from batchgen.outputs import CompletionOutput, RequestOutput
+from batchgen.sampling_params import SamplingParams
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+class FakeTokenizer:
+    """Byte-level: token = byte + 3; BOS = 1, EOS = 2."""
+
+    vocab_size = 259
+    bos_token_id = 1
+    bos_token = "<s>"
+    eos_token = "</s>"
+    eos_token_ids = frozenset({2})
+    chat_template: str | None = CHAT_TEMPLATE
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [b + 3 for b in text.encode("utf-8")]
+        return [self.bos_token_id] + ids if add_special_tokens else ids
+
+    def encode_batch(self, texts, add_special_tokens=True):
+        return [self.encode(t, add_special_tokens) for t in texts]
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", "replace")
+
+
+def fake_text(prompt_token_ids: list[int], seed: int | None, index: int = 0, max_tokens=None):
+    """What the FakeEngine generates for a prompt: a digest of the prompt, seed and sample."""
+    key = f"{prompt_token_ids}|{seed}|{index}".encode()
+    text = "gen-" + hashlib.blake2b(key, digest_size=6).hexdigest()
+    return text if max_tokens is None else text[:max_tokens]
+
+
+@dataclass
+class FakeStats:
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    prefix_cache_hit_rate: float = 0.0
+
+
+class FakeEngine:
+    """Finishes each request 1-3 steps after it is added (out of order), `max_num_seqs` at a time.
+
+    Args:
+        max_model_len: prompts of this many tokens or more fail with prompt_too_long.
+        step_delay: seconds slept per step (to make runs slow enough to interrupt).
+    """
+
+    def __init__(self, max_model_len: int = 512, step_delay: float = 0.0, max_num_seqs=64):
+        self.tokenizer = FakeTokenizer()
+        self.max_model_len = max_model_len
+        self.step_delay = step_delay
+        self.max_num_seqs = max_num_seqs
+        self.stats = FakeStats()
+        self._waiting: list[tuple[str, list[int], SamplingParams]] = []
+        self._running: dict[str, tuple[list[int], SamplingParams, int]] = {}
+        self.added: list[str] = []
+
+    def add_request(self, request_id, prompt, params) -> None:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.added.append(request_id)
+        self._waiting.append((request_id, ids, params))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._waiting) + len(self._running)
+
+    def step(self) -> list[RequestOutput]:
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        self.stats.num_steps += 1
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            rid, ids, params = self._waiting.pop(0)
+            steps = 1 + int(hashlib.md5(rid.encode()).hexdigest(), 16) % 3
+            self._running[rid] = (ids, params, steps)
+        done = []
+        for rid in list(self._running):
+            ids, params, left = self._running[rid]
+            if left > 1:
+                self._running[rid] = (ids, params, left - 1)
+                continue
+            del self._running[rid]
+            done.append(self._finish(rid, ids, params))
+        return done
+
+    def _finish(self, rid: str, ids: list[int], params: SamplingParams) -> RequestOutput:
+        if not ids:
+            return RequestOutput.failed(rid, ids, "empty_prompt", "prompt is empty")
+        if len(ids) >= self.max_model_len:
+            return RequestOutput.failed(rid, ids, "prompt_too_long", "prompt too long")
+        outs = []
+        for i in range(params.n):
+            full = self.tokenizer.encode(fake_text(ids, params.seed, i), add_special_tokens=False)
+            toks = full[: params.max_tokens]
+            text = self.tokenizer.decode(toks)
+            reason = "length" if len(toks) == params.max_tokens else "stop"
+            outs.append(CompletionOutput(i, text, toks, reason))
+        self.stats.num_prompt_tokens += len(ids)
+        self.stats.num_generated_tokens += sum(len(o.token_ids) for o in outs)
+        return RequestOutput(rid, ids, outs)

@@ -1,0 +1,208 @@
+"""End-to-end runs of the pipeline with the FakeEngine."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import polars as pl
+import pytest
+from fake_engine import FakeEngine, FakeTokenizer, fake_text
+from workspace import TEMPLATE, load, make_job, read_output, rows, write_jsonl, write_parquet
+
+from batchgen.job import JobError
+from batchgen.pipeline.runner import Runner
+from batchgen.pipeline.sharding import ShardSelector
+from batchgen.planner import row_seed
+
+
+@pytest.fixture(autouse=True)
+def _cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+
+def run(job, **kw):
+    kw.setdefault("engine_factory", lambda j: FakeEngine(max_model_len=256, max_num_seqs=8))
+    kw.setdefault("tokenizer_factory", lambda j: FakeTokenizer())
+    return Runner(job, **kw).run()
+
+
+def expected_text(row: dict, max_tokens: int = 8, seed=None) -> str:
+    ids = FakeTokenizer().encode(TEMPLATE.format(text=row["text"]))
+    return fake_text(ids, row_seed(seed, row["id"]), 0)[:max_tokens]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_end_to_end_ids_and_texts(tmp_path, fmt):
+    data = rows(500)
+    writer = write_jsonl if fmt == "jsonl" else write_parquet
+    writer(tmp_path / f"in/data.{fmt}", data)
+    result = run(load(make_job(tmp_path, f"in/data.{fmt}")))
+    assert result.exit_code == 0 and result.complete
+    assert sorted(os.listdir("out"))[:2] == ["_SUCCESS", "_job.json"]
+    assert len(list((tmp_path / "out").glob("part-*.parquet"))) == 10
+    df = read_output("out")
+    assert df["id"].to_list() == [r["id"] for r in data]
+    assert df["text"].to_list() == [expected_text(r) for r in data]
+    assert df["topic"].to_list() == [r["topic"] for r in data]
+    assert df["error"].null_count() == 500
+    first = pl.read_parquet("out/part-00003.parquet")
+    assert first["id"].to_list() == [r["id"] for r in data[150:200]]
+    stats = json.loads((tmp_path / "out/_stats.json").read_text())
+    assert stats["job"]["ok"] == 500 and stats["job"]["num_generated_tokens"] == 500 * 8
+
+
+def test_directory_of_mixed_files_keeps_file_then_row_order(tmp_path):
+    write_jsonl(tmp_path / "in/a.jsonl", rows(70, "a"))
+    write_parquet(tmp_path / "in/b.parquet", rows(40, "b"))
+    result = run(load(make_job(tmp_path, "in")))
+    assert result.complete
+    ids = read_output("out")["id"].to_list()
+    assert ids == [r["id"] for r in rows(70, "a") + rows(40, "b")]
+
+
+def test_malformed_input_rows_become_error_records(tmp_path):
+    good = rows(20)
+    lines = [json.dumps(r).encode() for r in good]
+    lines[3] = b'{"id": "broken", "text": '
+    lines[5] = json.dumps({"text": "no id"}).encode()
+    lines[7] = json.dumps({"id": good[1]["id"], "text": "dup"}).encode()
+    lines[9] = json.dumps({"id": "nulltext", "text": None}).encode()
+    lines[11] = b'{"id": "latin1", "text": "caf\xe9"}'
+    lines[13] = json.dumps({"id": "long", "text": "x" * 400}).encode()
+    (tmp_path / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    result = run(load(make_job(tmp_path, "in.jsonl")))
+    assert result.exit_code == 0 and result.totals["errors"] == 6
+    df = read_output("out")
+    assert df.height == 20
+    codes = dict(zip(range(20), df["error_code"].to_list()))
+    assert [codes[i] for i in (3, 5, 7, 9, 11, 13)] == [
+        "bad_json",
+        "missing_id",
+        "duplicate_id",
+        "null_text",
+        "invalid_utf8",
+        "prompt_too_long",
+    ]
+    errors = df.filter(pl.col("error_code").is_not_null())
+    assert errors["text"].null_count() == 6
+    assert set(errors["finish_reason"].to_list()) == {"error"}
+    assert "in.jsonl:4" in errors["error"][0]
+    ok = df.filter(pl.col("error_code").is_null())
+    assert ok.height == 14 and ok["text"].null_count() == 0
+
+
+def test_two_shard_tasks_are_disjoint_and_cover_the_input(tmp_path):
+    data = rows(230)
+    write_jsonl(tmp_path / "in.jsonl", data)
+    job = load(make_job(tmp_path, "in.jsonl"))
+    first = run(job, shard=ShardSelector(0, 2))
+    assert not first.complete
+    files0 = {p.name for p in (tmp_path / "out").glob("part-*")}
+    second = run(job, shard=ShardSelector(1, 2))
+    assert second.complete and (tmp_path / "out/_SUCCESS").exists()
+    files1 = {p.name for p in (tmp_path / "out").glob("part-*")} - files0
+    assert files0 == {"part-00000.parquet", "part-00002.parquet", "part-00004.parquet"}
+    assert files1 == {"part-00001.parquet", "part-00003.parquet"}
+    assert read_output("out")["id"].to_list() == [r["id"] for r in data]
+
+
+def test_resume_skips_committed_shards(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", rows(120))
+    job = load(make_job(tmp_path, "in.jsonl"))
+    run(job)
+    engine = FakeEngine()
+    again = run(job, engine_factory=lambda j: engine)
+    assert again.stats.shards_skipped == 3 and again.stats.shards_committed == 0
+    assert engine.added == []
+
+
+def test_changed_job_refused_then_overwritten(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", rows(60))
+    run(load(make_job(tmp_path, "in.jsonl")))
+    changed = load(make_job(tmp_path, "in.jsonl"), "sampling.max_tokens=4")
+    with pytest.raises(JobError, match=r"different job \(changed: sampling\).*--overwrite"):
+        run(changed)
+    result = run(changed, overwrite=True)
+    assert result.complete
+    assert set(read_output("out")["text"].str.len_chars().to_list()) == {4}
+
+
+def test_foreign_non_empty_output_dir_refused(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", rows(5))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out/notes.txt").write_text("mine")
+    with pytest.raises(JobError, match="not empty and holds no batchgen output"):
+        run(load(make_job(tmp_path, "in.jsonl")))
+    assert run(load(make_job(tmp_path, "in.jsonl")), overwrite=True).complete
+    assert (tmp_path / "out/notes.txt").exists()
+
+
+def test_n_samples_are_lists(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", rows(10))
+    job = load(
+        make_job(tmp_path, "in.jsonl"),
+        "sampling.n=3",
+        "sampling.temperature=0.8",
+        "sampling.seed=1234",
+    )
+    run(job)
+    df = read_output("out")
+    assert df.schema["text"] == pl.List(pl.String)
+    assert all(len(t) == 3 and len(set(t)) == 3 for t in df["text"].to_list())
+    assert df["num_output_tokens"].to_list()[0] == [8, 8, 8]
+
+
+def test_per_row_overrides_and_bad_params(tmp_path):
+    data = rows(4)
+    data[1]["params"] = json.dumps({"max_tokens": 3})
+    data[2]["params"] = json.dumps({"temprature": 3})
+    data[3]["params"] = json.dumps({"max_tokens": 0})
+    write_jsonl(tmp_path / "in.jsonl", data)
+    job = load(make_job(tmp_path, "in.jsonl", sampling={"overrides_column": "params"}))
+    run(job)
+    df = read_output("out")
+    assert df["error_code"].to_list() == [None, None, "bad_params", "bad_params"]
+    assert len(df["text"][1]) == 3
+    assert "max_tokens" in df["error"][3]
+
+
+def test_openai_batch_in_and_out(tmp_path):
+    lines = [
+        {
+            "custom_id": "c1",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "x",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 5,
+            },
+        },
+        {
+            "custom_id": "c2",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "Once upon", "max_tokens": 6, "n": 2, "temperature": 1.0},
+        },
+        {"custom_id": "c3", "method": "POST", "url": "/v1/embeddings", "body": {}},
+    ]
+    write_jsonl(tmp_path / "batch.jsonl", lines)
+    job = load(
+        make_job(
+            tmp_path,
+            "batch.jsonl",
+            prompt=None,
+            input={"path": "batch.jsonl", "columns": []},
+            output={"format": "openai-batch"},
+        )
+    )
+    assert run(job).complete
+    out = [json.loads(x) for x in (tmp_path / "out/part-00000.jsonl").read_text().splitlines()]
+    assert [o["custom_id"] for o in out] == ["c1", "c2", "c3"]
+    chat = out[0]["response"]["body"]
+    assert chat["object"] == "chat.completion"
+    assert len(chat["choices"][0]["message"]["content"]) == 5
+    text = out[1]["response"]["body"]
+    assert text["object"] == "text_completion" and len(text["choices"]) == 2
+    assert out[2]["response"] is None and out[2]["error"]["code"] == "bad_params"

@@ -1,0 +1,140 @@
+"""The batchgen CLI: exit codes, messages, validate, status, --shard, --help."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).parent / "pipeline"))
+
+from fake_engine import FakeEngine, FakeTokenizer  # noqa: E402
+from workspace import make_job, read_output, rows, write_jsonl  # noqa: E402
+
+from batchgen import cli  # noqa: E402
+from batchgen.pipeline import engine_factory  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fake_engine(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+    monkeypatch.setattr(engine_factory, "build_engine", lambda job: FakeEngine(max_model_len=200))
+    monkeypatch.setattr(engine_factory, "build_tokenizer", lambda job: FakeTokenizer())
+    monkeypatch.setattr(engine_factory, "model_max_len", lambda job: 200)
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli.main, list(args), catch_exceptions=False)
+
+
+def bad_input(tmp_path):
+    data = rows(30)
+    lines = [json.dumps(r) for r in data]
+    lines[2] = "{not json"
+    lines[4] = json.dumps({"id": "long", "text": "y" * 300})
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    return make_job(tmp_path, "in.jsonl", output={"shard_rows": 10})
+
+
+def test_run_counts_row_errors_and_strict(tmp_path):
+    job = bad_input(tmp_path)
+    res = invoke("run", str(job))
+    assert res.exit_code == 0
+    assert "rows: 28 ok, 2 error(s)" in res.output
+    assert "2 row(s) ended as error records" in res.output and "_SUCCESS written" in res.output
+    assert invoke("run", str(job), "--strict").exit_code == 1
+
+
+def test_run_bad_jobs_exit_2(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", rows(3))
+    job = make_job(tmp_path, "in.jsonl")
+    res = invoke("run", str(job), "--set", "sampling.temprature=1")
+    assert res.exit_code == 2
+    assert "error: sampling.temprature: unknown key (did you mean 'temperature'?)" in res.output
+    res = invoke("run", str(job), "--set", "output.path=../x")
+    assert res.exit_code == 2 and "escapes the working directory" in res.output
+    res = invoke("run", str(job), "--set", "prompt.template=Use {body}")
+    assert res.exit_code == 2 and "column(s) 'body' used by the job are not in" in res.output
+    res = invoke("run", str(job), "--shard", "3/2")
+    assert res.exit_code == 2 and "need 0 <= I < N" in res.output
+
+
+def test_run_refuses_sandbox_escape_in_chat_template(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", rows(3))
+    job = make_job(
+        tmp_path,
+        "in.jsonl",
+        prompt={
+            "chat": [{"role": "user", "content": "{text}"}],
+            "chat_template": "{{ raise_exception.__globals__['os'] }}",
+        },
+    )
+    res = invoke("run", str(job))
+    assert res.exit_code == 2
+    assert "chat template refused by sandbox" in res.output and "unsafe" in res.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_python_tag_refused(tmp_path):
+    job = tmp_path / "evil.yaml"
+    job.write_text("model: !!python/object/new:os.system [ls]\n")
+    res = invoke("run", str(job))
+    assert res.exit_code == 2 and "YAML tags such as '!!python/object/new:os.system'" in res.output
+
+
+def test_shard_option_and_slurm_env(tmp_path, monkeypatch):
+    write_jsonl(tmp_path / "in.jsonl", rows(45))
+    job = make_job(tmp_path, "in.jsonl", output={"shard_rows": 10})
+    assert invoke("run", str(job), "--shard", "1/2").exit_code == 0
+    assert sorted(p.name for p in (tmp_path / "out").glob("part-*")) == [
+        "part-00001.parquet",
+        "part-00003.parquet",
+    ]
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
+    res = invoke("run", str(job))
+    assert "shards committed: 5/5" in res.output and "_SUCCESS written" in res.output
+    assert read_output("out").height == 45
+
+
+def test_changed_job_cli(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", rows(5))
+    job = make_job(tmp_path, "in.jsonl")
+    assert invoke("run", str(job)).exit_code == 0
+    res = invoke("run", str(job), "--set", "prompt.template=Other {text}")
+    assert res.exit_code == 2 and "different job (changed: prompt)" in res.output
+    res = invoke("run", str(job), "--set", "prompt.template=Other {text}", "--overwrite")
+    assert res.exit_code == 0
+
+
+def test_validate_reports_rows(tmp_path):
+    job = bad_input(tmp_path)
+    res = invoke("validate", str(job))
+    assert res.exit_code == 0, res.output
+    assert "30 rows: 28 ok, 2 will fail" in res.output
+    assert "bad_json: 1" in res.output and "prompt_too_long: 1" in res.output
+    assert "estimated tokens:" in res.output and "+ up to 224 generated" in res.output
+    assert not (tmp_path / "out").exists()
+    assert invoke("validate", str(job), "--set", "input.id_colum=x").exit_code == 2
+
+
+def test_status(tmp_path):
+    job = bad_input(tmp_path)
+    invoke("run", str(job))
+    res = invoke("status", "out")
+    assert res.exit_code == 0
+    assert "out: complete" in res.output and "shards: 3/3 committed" in res.output
+    assert "rows: 28 ok, 2 error(s)" in res.output and "generated tok/s" in res.output
+    assert invoke("status", "nowhere").exit_code == 2
+
+
+def test_help_everywhere():
+    assert "run" in invoke("--help").output
+    for cmd in ("run", "validate", "status", "make-model"):
+        res = invoke(cmd, "--help")
+        assert res.exit_code == 0 and "Usage:" in res.output
+    assert "--shard" in invoke("run", "--help").output

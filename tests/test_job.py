@@ -1,0 +1,147 @@
+"""Job file loading and validation: every mistake names its key path."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from batchgen.job import JobError, load_job
+
+BASE = """
+model: {path: examples/tiny-llama}
+input: {path: examples/data/docs.jsonl}
+prompt: {template: "Summarize:\\n{text}\\nSummary:"}
+sampling: {max_tokens: 32, temperature: 0.0}
+output: {path: out/summarize}
+"""
+
+
+def job_from(tmp_path, text: str, *overrides: str):
+    path = tmp_path / "job.yaml"
+    path.write_text(textwrap.dedent(text))
+    return load_job(path, list(overrides))
+
+
+def test_valid_job_with_defaults(tmp_path):
+    job = job_from(tmp_path, BASE)
+    assert job.mode == "generate" and job.input.id_column == "id"
+    assert job.output.shard_rows == 10000 and job.output.compression == "zstd"
+    assert job.sampling.base_params() == {"max_tokens": 32, "temperature": 0.0}
+
+
+def test_unknown_key_with_hint(tmp_path):
+    with pytest.raises(
+        JobError,
+        match=r"sampling\.temprature: unknown key \(did you mean "
+        r"'temperature'\?\)",
+    ):
+        job_from(tmp_path, BASE.replace("temperature", "temprature"))
+    with pytest.raises(JobError, match=r"^outptu: unknown key \(did you mean 'output'\?\)"):
+        job_from(tmp_path, BASE + "outptu: {}\n")
+
+
+def test_unknown_engine_option(tmp_path):
+    with pytest.raises(
+        JobError,
+        match=r"model\.max_num_seq: unknown key \(did you mean "
+        r"'max_num_seqs'\?\)",
+    ):
+        job_from(
+            tmp_path,
+            BASE.replace("path: examples/tiny-llama", "path: examples/tiny-llama, max_num_seq: 4"),
+        )
+
+
+def test_wrong_types(tmp_path):
+    with pytest.raises(JobError, match=r"sampling\.max_tokens: expected int, got str 'many'"):
+        job_from(tmp_path, BASE.replace("max_tokens: 32", "max_tokens: many"))
+    with pytest.raises(JobError, match=r"output\.shard_rows: expected int, got bool"):
+        job_from(tmp_path, BASE, "output.shard_rows=true")
+    with pytest.raises(JobError, match=r"model\.block_size: expected int"):
+        job_from(tmp_path, BASE, "model.block_size=1.5")
+
+
+def test_bad_values(tmp_path):
+    with pytest.raises(JobError, match=r"sampling\.temperature=-1\.0: must be a number >= 0"):
+        job_from(tmp_path, BASE, "sampling.temperature=-1")
+    with pytest.raises(JobError, match=r"model\.block_size=12: must be a power of two"):
+        job_from(tmp_path, BASE, "model.block_size=12")
+    with pytest.raises(JobError, match=r"mode: 'sample' is not supported"):
+        job_from(tmp_path, BASE, "mode=sample")
+
+
+def test_missing_required(tmp_path):
+    with pytest.raises(JobError, match=r"^output: missing required section"):
+        job_from(tmp_path, BASE.replace("output: {path: out/summarize}", ""))
+    with pytest.raises(JobError, match=r"^input\.path: missing required key"):
+        job_from(tmp_path, BASE.replace("path: examples/data/docs.jsonl", "id_column: id"))
+
+
+def test_path_escaping_the_working_dir(tmp_path):
+    with pytest.raises(
+        JobError,
+        match=r"output\.path: '\.\./\.\./etc/out' escapes the working "
+        r"directory",
+    ):
+        job_from(tmp_path, BASE, "output.path=../../etc/out")
+    assert job_from(tmp_path, BASE, "output.path=out/a/../b").output.path == "out/a/../b"
+    assert job_from(tmp_path, BASE, "output.path=/tmp/abs").output.path == "/tmp/abs"
+
+
+def test_python_tags_refused(tmp_path):
+    evil = BASE + "extra: !!python/object/apply:os.system ['echo pwned']\n"
+    with pytest.raises(
+        JobError,
+        match=r"line 7\): YAML tags such as '!!python/object/apply:"
+        r"os.system' are not allowed",
+    ):
+        job_from(tmp_path, evil)
+
+
+def test_set_overrides(tmp_path):
+    job = job_from(
+        tmp_path,
+        BASE,
+        "sampling.temperature=0.7",
+        "sampling.stop=[END, '###']",
+        "model.max_num_seqs=4",
+        "input.columns=[topic]",
+    )
+    assert job.sampling.base_params()["temperature"] == 0.7
+    assert job.sampling.base_params()["stop"] == ("END", "###")
+    assert dict(job.model.options) == {"max_num_seqs": 4}
+    assert job.input.columns == ("topic",)
+    with pytest.raises(JobError, match="expected KEY.PATH=VALUE"):
+        job_from(tmp_path, BASE, "sampling.temperature")
+
+
+def test_placeholders_must_be_plain_columns(tmp_path):
+    with pytest.raises(JobError, match=r"placeholder \{text\.__class__\} is not allowed"):
+        job_from(tmp_path, BASE.replace("{text}", "{text.__class__}"))
+    with pytest.raises(JobError, match=r"placeholder \{text\[0\]\} is not allowed"):
+        job_from(tmp_path, BASE.replace("{text}", "{text[0]}"))
+
+
+def test_prompt_needs_template_or_chat(tmp_path):
+    both = BASE.replace(
+        'prompt: {template: "Summarize:\\n{text}\\nSummary:"}',
+        "prompt: {template: x, chat: [{role: user, content: y}]}",
+    )
+    with pytest.raises(JobError, match="exactly one of prompt.template or prompt.chat"):
+        job_from(tmp_path, both)
+    with pytest.raises(JobError, match=r"prompt\.chat\[0\]\.role: 'robot' is not one of"):
+        job_from(
+            tmp_path,
+            BASE.replace(
+                '{template: "Summarize:\\n{text}\\nSummary:"}',
+                "{chat: [{role: robot, content: hi}]}",
+            ),
+        )
+
+
+def test_shipped_jobs_validate():
+    for name in ("jobs/summarize.yaml", "jobs/synthetic.yaml"):
+        job = load_job(name)
+        assert job.model.path == "examples/tiny-llama"
+    assert load_job("jobs/synthetic.yaml").sampling.base_params()["n"] == 4

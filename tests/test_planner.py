@@ -1,0 +1,80 @@
+"""Planner: row validation into error records, per-row params and seeds, request order."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent / "pipeline"))
+
+from fake_engine import FakeTokenizer  # noqa: E402
+
+from batchgen.io.rows import InputRow  # noqa: E402
+from batchgen.job import PromptSpec  # noqa: E402
+from batchgen.planner import Planner, Request, order_requests, row_seed  # noqa: E402
+from batchgen.prompts import PromptRenderer  # noqa: E402
+from batchgen.sampling_params import SamplingParams  # noqa: E402
+
+
+def planner(**kw):
+    kw.setdefault("max_model_len", 64)
+    kw.setdefault("base_params", {"max_tokens": 4})
+    return Planner(PromptRenderer(PromptSpec(template="Q: {text}")), FakeTokenizer(), **kw)
+
+
+def row(i, text, **data):
+    return InputRow(i, f"id{i}", {"text": text, **data}, f"f:{i}")
+
+
+def test_row_seed_is_stable_and_keyed():
+    assert row_seed(0, "a") == row_seed(None, "a") != row_seed(1, "a")
+    assert row_seed(0, "a") != row_seed(0, "b")
+    assert 0 <= row_seed(5, "x") < 2**63
+    assert row_seed(1234, "doc-1") == row_seed(1234, "doc-1")
+
+
+def test_plan_validates_rows():
+    plan = planner().plan(
+        [
+            row(0, "ok"),
+            row(1, None),
+            row(2, "x" * 80),
+            InputRow(3, None, None, "f:3", "bad_json", "f:3: broken"),
+        ]
+    )
+    assert [r.index for r in plan.requests] == [0]
+    codes = {e.index: e.error_code for e in plan.errors}
+    assert codes == {1: "null_text", 2: "prompt_too_long", 3: "bad_json"}
+    too_long = next(e for e in plan.errors if e.index == 2)
+    assert too_long.num_prompt_tokens == 84 and "f:2" in too_long.error
+    req = plan.requests[0]
+    assert req.prompt_token_ids == FakeTokenizer().encode("Q: ok")
+    assert req.params.seed == row_seed(None, "id0") and req.params.max_tokens == 4
+
+
+def test_overrides_column_and_multi():
+    p = planner(overrides_column="o", allow_multi=False)
+    plan = p.plan(
+        [
+            row(0, "a", o={"max_tokens": 2, "seed": 9}),
+            row(1, "b", o='{"top_p": 2}'),
+            row(2, "c", o={"n": 2}),
+            row(3, "d", o="not json"),
+        ]
+    )
+    assert plan.requests[0].params.max_tokens == 2 and plan.requests[0].params.seed == 9
+    msgs = {e.index: e.error for e in plan.errors}
+    assert set(msgs) == {1, 2, 3}
+    assert "top_p" in msgs[1] and "sampling.n > 1" in msgs[2] and "not JSON" in msgs[3]
+    assert all(e.error_code == "bad_params" for e in plan.errors)
+
+
+def test_order_groups_prefix_then_longest_first():
+    p = SamplingParams()
+    reqs = [
+        Request(0, "a", [1] * 40 + [5], p),
+        Request(1, "b", [2, 3], p),
+        Request(2, "c", [1] * 40 + [5, 6, 7], p),
+        Request(3, "d", [2, 3, 4], p),
+    ]
+    assert [r.index for r in order_requests(reqs)] == [2, 0, 3, 1]
