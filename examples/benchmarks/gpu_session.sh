@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: GPU tests, kernel timings, then the benchmark workloads.
+# Usage (repo root, on a CUDA box): bash examples/benchmarks/gpu_session.sh [STAGE...]
+# Stages: tests kernels nano-qwen nano-llama shared-prefix summarize score peer-qwen peer-llama
+# Writes logs and JSON under $OUT (default ./out/gpu). Wheels in .whl/ (e.g. polars) are
+# installed to /tmp/site first when present, for machines without them.
+set -uo pipefail
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+stages=${*:-tests kernels nano-qwen}
+bench() { python3 -m batchgen bench "$@"; }
+for stage in $stages; do
+  echo "=== $stage $(date -u +%H:%M:%S)"
+  case $stage in
+    tests) python3 -m pytest -m gpu tests -q -x -p no:warnings 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    kernels) python3 tests/kernels/bench_kernels.py 2>&1 | tee "$OUT/kernels.log" ;;
+    nano-qwen) bench --workload nano --model-preset qwen3-0.6b --json "$OUT/nano_qwen.json" ;;
+    nano-llama) bench --workload nano --model-preset llama3.1-8b --json "$OUT/nano_llama.json" ;;
+    shared-prefix) bench --workload shared-prefix --model-preset llama3.1-8b \
+      --json "$OUT/shared_prefix.json" ;;
+    summarize) bench --workload summarize --model-preset llama3.1-8b --json "$OUT/summarize.json" ;;
+    score) bench --workload score --model-preset llama3.1-8b --json "$OUT/score.json" ;;
+    peer-qwen) bench --workload nano --model-preset qwen3-0.6b --peer hf \
+      --json "$OUT/nano_qwen_peer.json" ;;
+    peer-llama) bench --workload nano --model-preset llama3.1-8b --peer hf \
+      --json "$OUT/nano_llama_peer.json" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
