@@ -1,0 +1,1 @@
+"""`batchgen bench`: standard workloads, measured ceilings, roofline and the transformers peer."""

@@ -1,0 +1,112 @@
+"""`batchgen bench`: run a standard workload, measure ceilings and roofline, optionally the peer."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from batchgen.bench.random_model import PRESET_NAMES
+from batchgen.bench.workloads import WORKLOADS
+from batchgen.config import ConfigError, EngineConfig
+
+
+@click.command("bench")
+@click.option("--workload", type=click.Choice(WORKLOADS), default="nano", show_default=True)
+@click.option(
+    "--model-preset",
+    "preset",
+    type=click.Choice(PRESET_NAMES),
+    default="qwen3-0.6b",
+    show_default=True,
+    help="Random-weight model in this architecture, built on the device (no disk).",
+)
+@click.option("--model", "model_path", default=None, help="A HF model directory instead.")
+@click.option("--peer", type=click.Choice(["hf"]), default=None, help="Also run this peer.")
+@click.option("--repeat", default=1, show_default=True, help="Timed runs; the median is quoted.")
+@click.option("--peer-repeat", default=1, show_default=True, help="Timed runs of the peer.")
+@click.option("--json", "json_out", default=None, help="Write every number to this JSON file.")
+@click.option(
+    "--num-prompts",
+    type=int,
+    default=None,
+    help="Scale the request count down (smoke runs); each prompt keeps its length recipe.",
+)
+@click.option(
+    "--max-output-tokens",
+    type=int,
+    default=None,
+    help="Cap every output length (smoke runs); the default keeps the recipe's lengths.",
+)
+@click.option("--warmup", default=4, show_default=True, help="Warm-up requests before timing.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+    default="auto",
+    show_default=True,
+    help="auto: bfloat16 on GPU, float32 on CPU.",
+)
+@click.option("--enforce-eager", is_flag=True, help="Never use CUDA graphs.")
+@click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
+@click.option("--max-num-seqs", type=int, default=None)
+@click.option("--max-num-batched-tokens", type=int, default=None)
+@click.option("--gpu-memory-utilization", type=float, default=None)
+@click.option("--num-kv-blocks", type=int, default=None)
+@click.option("--block-size", type=int, default=None)
+@click.option("--max-model-len", type=int, default=None, help="Default: the workload's longest.")
+@click.option("--cpu-kv-cache-gb", type=float, default=None)
+@click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
+def bench(**kw) -> None:
+    """Benchmark the engine on a standard workload (BENCHMARKS.md) and print one table last.
+
+    Times only the generate phase (after model load and warm-up, GPU synchronized); reports
+    output / total tok/s, requests/s, peak GPU memory, prefix-cache hit rate, preemptions and
+    the roofline fraction against a matmul and a copy ceiling measured in the same run.
+    """
+    from batchgen.bench.report import format_table, write_json
+    from batchgen.bench.session import BenchOptions, run_bench
+
+    engine_keys = (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "gpu_memory_utilization",
+        "num_kv_blocks",
+        "block_size",
+        "max_model_len",
+        "cpu_kv_cache_gb",
+    )
+    options = {k: kw[k] for k in engine_keys if kw[k] is not None}
+    try:
+        engine = EngineConfig(
+            model=kw["model_path"] or "<random preset>",
+            dtype=kw["dtype"],
+            device=kw["device"],
+            enforce_eager=kw["enforce_eager"],
+            enable_prefix_caching=not kw["no_prefix_caching"],
+            seed=kw["seed"],
+            **options,
+        )
+    except ConfigError as e:
+        raise click.BadParameter(str(e)) from None
+    for name in ("repeat", "peer_repeat", "num_prompts", "max_output_tokens"):
+        if kw[name] is not None and kw[name] < 1:
+            raise click.BadParameter(f"--{name.replace('_', '-')} must be >= 1")
+    opts = BenchOptions(
+        workload=kw["workload"],
+        preset=kw["preset"],
+        model_path=kw["model_path"],
+        engine=engine,
+        peer=kw["peer"],
+        repeat=kw["repeat"],
+        peer_repeat=kw["peer_repeat"],
+        num_prompts=kw["num_prompts"],
+        max_output_tokens=kw["max_output_tokens"],
+        warmup=kw["warmup"],
+    )
+    report = run_bench(opts, log=lambda m: click.echo(m, err=True))
+    if kw["json_out"]:
+        write_json(kw["json_out"], report)
+        click.echo(f"wrote {kw['json_out']}", err=True)
+    click.echo(format_table(report))
+    sys.stdout.flush()

@@ -1,0 +1,124 @@
+"""Our engine on a workload: build it (random preset or HF dir), warm up, time the run."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from batchgen.bench.random_model import build_random_model, preset_config
+from batchgen.bench.timing import timed
+from batchgen.bench.workloads import Workload, warmup_workload
+from batchgen.config import EngineConfig
+from batchgen.engine.llm_engine import LLMEngine
+from batchgen.engine.model_runner import ModelRunner, resolve_device
+from batchgen.models.config import ModelConfig
+from batchgen.models.loader import resolve_dtype
+from batchgen.sampling_params import SamplingParams
+
+PRESET_MODEL = "<random preset>"  # EngineConfig.model of a preset run (never read from disk)
+
+
+@dataclass
+class Bench:
+    """The model under test: a runner to build fresh engines on, plus where it came from."""
+
+    config: EngineConfig
+    runner: ModelRunner
+    hf_config: dict[str, Any] | None  # the preset's config dict; None for a model dir
+    model_path: str | None
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    def engine(self, **overrides: Any) -> LLMEngine:
+        """A fresh engine (empty prefix cache, zeroed stats) over the shared runner and cache."""
+        return LLMEngine(replace(self.config, **overrides), runner=self.runner)
+
+
+def build_bench(
+    config: EngineConfig, preset: str | None, model_path: str | None, max_model_len: int
+) -> Bench:
+    """Load `model_path`, or build `preset` with random weights directly on the device."""
+    if model_path is not None:
+        engine = LLMEngine(replace(config, model=model_path, max_model_len=max_model_len))
+        return Bench(engine.config, engine.runner, None, model_path)
+    device = resolve_device(config.device)
+    mc = ModelConfig.from_dict(preset_config(preset), source=f"preset {preset}")
+    dtype = resolve_dtype(config.dtype, mc, device)
+    model, raw = build_random_model(preset, dtype, device, seed=config.seed)
+    config = replace(config, model=PRESET_MODEL, max_model_len=max_model_len)
+    runner = ModelRunner.from_model(config, model, max_model_len)
+    return Bench(config, runner, raw, None)
+
+
+@dataclass
+class RunResult:
+    """Counters of one timed run (engine stats accrued during the timed phase only)."""
+
+    wall_s: float
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    candidate_tokens: int
+    preemptions: int
+    steps: int
+    errors: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def submit(engine: LLMEngine, w: Workload, prefix: str, seed: int = 0) -> None:
+    """Queue every request of `w` (seeded per request so runs are reproducible)."""
+    for i, prompt in enumerate(w.prompts):
+        rid = f"{prefix}{i}"
+        if w.candidates is not None:
+            engine.add_score_request(rid, prompt, w.candidates[i])
+        else:
+            params = SamplingParams(
+                max_tokens=w.max_tokens[i],
+                temperature=w.temperature,
+                ignore_eos=True,
+                seed=seed + i,
+            )
+            engine.add_request(rid, prompt, params)
+
+
+def drain(engine: LLMEngine) -> int:
+    """Step until every request finished; returns the number of error outputs."""
+    errors = 0
+    while engine.has_unfinished_requests():
+        errors += sum(out.error is not None for out in engine.step())
+    return errors
+
+
+def run_engine(bench: Bench, w: Workload, warmup: int = 4, **overrides: Any) -> RunResult:
+    """Warm up with `warmup` look-alike requests, then time `w` on a fresh engine."""
+    engine = bench.engine(**overrides)
+    if warmup:
+        submit(engine, warmup_workload(w, engine.model_config.vocab_size, warmup), "warmup-")
+        drain(engine)
+    before = dataclasses.replace(engine.stats)
+
+    def go() -> int:
+        submit(engine, w, "")
+        return drain(engine)
+
+    wall, errors = timed(go, bench.device)
+    s = engine.stats
+    return RunResult(
+        wall_s=wall,
+        requests=s.num_requests - before.num_requests,
+        prompt_tokens=s.num_prompt_tokens - before.num_prompt_tokens,
+        cached_tokens=s.num_cached_tokens - before.num_cached_tokens,
+        output_tokens=s.num_generated_tokens - before.num_generated_tokens,
+        candidate_tokens=s.num_scored_tokens - before.num_scored_tokens,
+        preemptions=s.num_preemptions - before.num_preemptions,
+        steps=s.num_steps - before.num_steps,
+        errors=errors,
+    )

@@ -1,0 +1,70 @@
+"""Random-weight models of the benchmark presets, built directly on the device (no disk)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchgen.models.config import ModelConfig
+from batchgen.models.loader import build_model
+from batchgen.models.presets import BENCH_PRESETS, TINY_PRESETS
+
+# The `tiny` preset: the tiny Llama shape with a small vocabulary, for CPU smoke runs.
+TINY_VOCAB = 512
+PRESET_NAMES = (*BENCH_PRESETS, "tiny")
+_INIT_STD = 0.02  # HF initializer_range: activations stay finite in bf16 over 28-32 layers
+
+
+def preset_config(name: str) -> dict[str, Any]:
+    """The HF-style config dict of preset `name` (a copy; callers may change it)."""
+    if name == "tiny":
+        return {**copy.deepcopy(TINY_PRESETS["llama"]), "vocab_size": TINY_VOCAB}
+    if name not in BENCH_PRESETS:
+        raise ValueError(f"model preset {name!r}: expected one of {', '.join(PRESET_NAMES)}")
+    return copy.deepcopy(BENCH_PRESETS[name])
+
+
+@torch.no_grad()
+def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Fill every weight in place: normal(0, 0.02) for linear/embedding, ones for norms, zero
+    biases. A seeded generator on the model's device makes it cheap and reproducible."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():  # tied weights are listed once
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, _INIT_STD, generator=gen)
+    return model
+
+
+def build_random_model(
+    preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Build preset `preset` on `device` with random weights.
+
+    Returns:
+        (model, the HF config dict it was built from).
+    """
+    raw = preset_config(preset)
+    model = build_model(ModelConfig.from_dict(raw, source=f"preset {preset}"), dtype, device)
+    return init_random_(model, seed), raw
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of all unique parameters (tied embedding / head counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def non_embedding_params(model: nn.Module) -> int:
+    """Parameters excluding the token embedding and the LM head."""
+    return sum(
+        p.numel()
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if "embed_tokens" not in n and not n.startswith("lm_head")
+    )

@@ -1,0 +1,196 @@
+"""One bench invocation: ceilings, model, workload runs, comparisons, and the report dict."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from batchgen.bench import roofline
+from batchgen.bench.ceilings import measure_ceilings
+from batchgen.bench.engine_run import Bench, build_bench, run_engine
+from batchgen.bench.random_model import non_embedding_params, parameter_bytes, preset_config
+from batchgen.bench.report import environment, hit_rates, median_run, rates
+from batchgen.bench.timing import peak_memory_bytes, reset_peak_memory
+from batchgen.bench.workloads import Workload, build_workload, warmup_workload
+from batchgen.config import EngineConfig
+from batchgen.engine.model_runner import resolve_device
+from batchgen.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    workload: str
+    preset: str
+    model_path: str | None
+    engine: EngineConfig
+    peer: str | None = None
+    repeat: int = 1
+    peer_repeat: int = 1
+    num_prompts: int | None = None
+    max_output_tokens: int | None = None
+    warmup: int = 4
+
+
+def _model_config(opts: BenchOptions) -> ModelConfig:
+    if opts.model_path is not None:
+        return ModelConfig.from_dir(opts.model_path)
+    return ModelConfig.from_dict(preset_config(opts.preset), source=f"preset {opts.preset}")
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _result(
+    run: dict[str, Any],
+    w: Workload,
+    cost: roofline.WorkloadCost,
+    ceilings: dict[str, Any],
+    peak: int | None,
+) -> dict[str, Any]:
+    out = {**run, **hit_rates(run, w), "peak_gpu_memory_bytes": peak}
+    out.update(
+        roofline.roofline_metrics(
+            cost,
+            run["wall_s"],
+            run.get("output_tokens", 0),
+            ceilings["matmul_tflops"] * 1e12,
+            ceilings["copy_tb_s"] * 1e12,
+        )
+    )
+    out.setdefault("preemptions", None)
+    out.setdefault("steps", None)
+    out.setdefault("errors", None)
+    return out
+
+
+def _repeat_engine(bench: Bench, w: Workload, n: int, warmup: int, **overrides) -> list[dict]:
+    return [rates(run_engine(bench, w, warmup, **overrides).as_dict(), w) for _ in range(n)]
+
+
+def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
+    """Everything `batchgen bench` measures, as the JSON-ready report dict."""
+    device = resolve_device(opts.engine.device)
+    mc = _model_config(opts)
+    w = build_workload(opts.workload, mc.vocab_size, opts.num_prompts, opts.max_output_tokens)
+    max_len = opts.engine.max_model_len or w.max_request_len()
+    env = environment(device)
+    log(f"measuring ceilings on {env['device']} ...")
+    ceilings = measure_ceilings(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    reset_peak_memory(device)
+    log(f"building {opts.model_path or opts.preset} on {device} ...")
+    bench = build_bench(opts.engine, opts.preset, opts.model_path, max_len)
+    model = bench.runner.model
+    shape = roofline.model_shape(
+        mc, non_embedding_params(model), parameter_bytes(model), bench.runner.dtype.itemsize
+    )
+    cost = roofline.workload_cost(shape, w)
+    del model  # the peer frees our model; keep no reference here
+    log(f"{w.name}: {w.num_requests} requests, {opts.repeat} timed run(s) ...")
+    runs = _repeat_engine(bench, w, opts.repeat, opts.warmup)
+    peak = peak_memory_bytes(device)
+    report: dict[str, Any] = {
+        **env,
+        "workload": {
+            "name": w.name,
+            "num_requests": w.num_requests,
+            "prompt_tokens": w.num_prompt_tokens,
+            "output_tokens": w.num_output_tokens,
+            "candidate_tokens": w.num_candidate_tokens,
+            "shared_prefix_tokens": w.num_shared_tokens,
+            "num_prompts_option": opts.num_prompts,
+            "max_output_tokens_option": opts.max_output_tokens,
+            "temperature": w.temperature,
+            "warmup_requests": opts.warmup,
+        },
+        "model": {
+            "name": opts.model_path or opts.preset,
+            "architecture": mc.architecture,
+            "weights": "checkpoint" if opts.model_path else "random normal(0, 0.02), norms 1",
+            "dtype": str(bench.runner.dtype).removeprefix("torch."),
+            "parameters": sum(p.numel() for p in bench.runner.model.parameters()),
+            "non_embedding_parameters": shape.non_embedding_params,
+            "weight_bytes": shape.weight_bytes,
+            "kv_bytes_per_token": shape.kv_bytes_per_token,
+            "num_kv_blocks": bench.runner.num_kv_blocks,
+            "max_model_len": max_len,
+        },
+        "engine_config": dataclasses.asdict(bench.config),
+        "ceilings": ceilings,
+        "repeat": opts.repeat,
+        "runs": runs,
+        "result": _result(median_run(runs), w, cost, ceilings, peak),
+        "prefix_caching_off": None,
+        "pipeline": None,
+        "peer": None,
+    }
+    if w.name == "shared-prefix":
+        log("shared-prefix: the same run with prefix caching off ...")
+        off = _repeat_engine(bench, w, opts.repeat, opts.warmup, enable_prefix_caching=False)
+        off_result = _result(median_run(off), w, cost, ceilings, peak_memory_bytes(device))
+        report["prefix_caching_off"] = {
+            "runs": off,
+            "result": off_result,
+            "ratio": off_result["wall_s"] / report["result"]["wall_s"],
+        }
+    if w.name == "pipeline":
+        report["pipeline"] = _pipeline(bench, w, opts, cost, ceilings, report, log)
+    if opts.peer == "hf":
+        report["peer"] = _peer(bench, w, opts, cost, ceilings, report, log)
+    return report
+
+
+def _pipeline(bench, w, opts, cost, ceilings, report, log) -> dict[str, Any]:
+    from batchgen.bench.pipeline_bench import PipelineUnavailable, run_pipeline
+
+    log(f"pipeline: Runner end to end over {w.num_requests} JSONL rows ...")
+    try:
+        runs = [rates(run_pipeline(bench, w), w) for _ in range(opts.repeat)]
+    except PipelineUnavailable as e:
+        return {"error": str(e), "runs": [], "result": None, "overhead": None, "ratio": None}
+    result = _result(median_run(runs), w, cost, ceilings, peak_memory_bytes(bench.device))
+    return {
+        "entry_point": "batchgen.pipeline.runner.Runner(job).run()",
+        "input": "OpenAI-batch JSONL, /v1/completions, token-id prompts",
+        "runs": runs,
+        "result": result,
+        "overhead": result["wall_s"] / report["result"]["wall_s"] - 1.0,
+        "ratio": None,
+    }
+
+
+def _peer(bench, w, opts, cost, ceilings, report, log) -> dict[str, Any]:
+    from batchgen.bench import peer_hf
+
+    block: dict[str, Any] = {"name": "hf", "runs": [], "result": None, "ratio": None}
+    if w.is_score:
+        block["error"] = "transformers continuous batching has no scoring API"
+        return block
+    log("peer hf: building the transformers model with the same weights ...")
+    device, dtype = bench.device, bench.runner.dtype
+    vocab_size = bench.runner.model_config.vocab_size
+    try:
+        hf = peer_hf.build_hf_model(
+            bench.hf_config, bench.runner.model, bench.model_path, dtype, device
+        )
+        bench.runner = None  # free our weights and KV cache before the peer sizes its own
+        _free(device)
+        for i in range(opts.peer_repeat):
+            log(f"peer hf: timed run {i + 1}/{opts.peer_repeat} ...")
+            warm = warmup_workload(w, vocab_size, opts.warmup)
+            block["runs"].append(rates(peer_hf.run_peer(hf, w, warm, device).as_dict(), w))
+    except peer_hf.PeerUnavailable as e:
+        block["error"] = str(e)
+        log(f"peer hf unavailable: {e}")
+        return block
+    run = median_run(block["runs"])
+    block["result"] = _result(run, w, cost, ceilings, run.get("peak_gpu_memory_bytes"))
+    block["ratio"] = report["result"]["output_tok_s"] / block["result"]["output_tok_s"]
+    return block

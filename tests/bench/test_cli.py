@@ -1,0 +1,88 @@
+"""`batchgen bench` smoke runs on CPU with the tiny preset (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from batchgen.bench.cli import bench
+from batchgen.bench.report import RESULT_FIELDS, TOP_FIELDS
+
+SMOKE = ["--model-preset", "tiny", "--device", "cpu", "--max-output-tokens", "4", "--warmup", "1"]
+
+
+def _run(tmp_path, *args: str) -> dict:
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(bench, [*SMOKE, *args, "--json", str(out)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    report = json.loads(out.read_text())
+    assert "output tok/s" in result.output
+    assert result.output.rstrip().splitlines()[-1].startswith("ceilings:")  # the table is last
+    return report
+
+
+def _assert_result(block: dict) -> None:
+    missing = [k for k in RESULT_FIELDS if k not in block]
+    assert not missing, missing
+
+
+def test_nano_smoke_json_has_every_field(tmp_path):
+    report = _run(tmp_path, "--workload", "nano", "--num-prompts", "4", "--repeat", "2")
+    assert [k for k in TOP_FIELDS if k not in report] == []
+    _assert_result(report["result"])
+    assert len(report["runs"]) == 2
+    assert report["workload"]["num_requests"] == 4
+    assert report["result"]["output_tokens"] == report["workload"]["output_tokens"]
+    assert report["result"]["errors"] == 0
+    for key in ("torch", "triton", "transformers"):
+        assert key in report["versions"]
+    assert report["git_commit"] and report["device"].startswith("cpu")
+    assert report["ceilings"]["matmul_tflops"] > 0 and report["ceilings"]["copy_tb_s"] > 0
+    assert report["result"]["roofline_fraction"] > 0 and report["result"]["mfu"] > 0
+    assert report["peer"] is None
+
+
+def test_shared_prefix_smoke_runs_caching_off(tmp_path):
+    report = _run(tmp_path, "--workload", "shared-prefix", "--num-prompts", "16")
+    off = report["prefix_caching_off"]
+    _assert_result(off["result"])
+    assert off["result"]["cached_tokens"] == 0 and off["ratio"] > 0
+    assert report["result"]["shared_prefix_hit_rate"] > 0
+
+
+def test_score_smoke(tmp_path):
+    report = _run(tmp_path, "--workload", "score", "--num-prompts", "2")
+    result = report["result"]
+    assert result["candidate_tok_s"] > 0 and result["mfu"] > 0
+    assert result["candidate_tokens"] == report["workload"]["candidate_tokens"]
+
+
+def test_pipeline_smoke(tmp_path):
+    report = _run(tmp_path, "--workload", "pipeline", "--num-prompts", "6")
+    pipe = report["pipeline"]
+    assert pipe["result"]["rows_ok"] == 6 and pipe["result"]["exit_code"] == 0
+    assert pipe["overhead"] is not None
+
+
+def test_peer_hf_smoke(tmp_path):
+    pytest.importorskip("transformers")
+    report = _run(tmp_path, "--workload", "nano", "--num-prompts", "2", "--peer", "hf")
+    peer = report["peer"]
+    assert peer.get("error") is None, peer.get("error")
+    _assert_result(peer["result"])
+    assert peer["result"]["output_tokens"] == report["result"]["output_tokens"]
+    assert peer["ratio"] > 0
+
+
+def test_transformers_is_not_imported_without_peer(tmp_path):
+    code = (
+        "import sys; from click.testing import CliRunner; from batchgen.bench.cli import bench; "
+        f"r = CliRunner().invoke(bench, {SMOKE + ['--num-prompts', '1']!r}); "
+        "assert r.exit_code == 0, r.output; "
+        "assert 'transformers' not in sys.modules, 'transformers was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
