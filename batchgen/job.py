@@ -10,14 +10,17 @@ import difflib
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from batchgen.config import ConfigError, EngineConfig
 from batchgen.sampling_params import SamplingParams, SamplingParamsError
 
-MODES = ("generate",)  # "score" is added by its own issue; the runner dispatches on this.
+if TYPE_CHECKING:
+    from batchgen.job_score import ScoreSpec
+
+MODES = ("generate", "score")
 INPUT_FORMATS = ("auto", "parquet", "jsonl", "openai-batch")
 OUTPUT_FORMATS = ("parquet", "openai-batch")
 COMPRESSIONS = ("zstd", "snappy", "gzip", "lz4", "none")
@@ -84,6 +87,7 @@ class JobSpec:
     output: OutputSpec
     mode: str = "generate"
     source: str = "<job>"  # the job file, for messages
+    score: ScoreSpec | None = None  # mode: score only (batchgen/job_score.py)
 
 
 # ----------------------------------------------------------------------------------- loading
@@ -211,7 +215,7 @@ def _get(sec: dict, path: str, key: str, annotation: str, default: Any = ..., ch
 
 def validate_job(raw: dict, source: str = "<job>") -> JobSpec:
     """Turn a raw job mapping into a JobSpec, raising JobError naming the first bad key path."""
-    top = ["model", "input", "prompt", "sampling", "output", "mode"]
+    top = ["model", "input", "prompt", "sampling", "output", "mode", "score"]
     for key in raw:
         if key not in top:
             raise _unknown("", key, top)
@@ -223,7 +227,10 @@ def validate_job(raw: dict, source: str = "<job>") -> JobSpec:
     prompt = _prompt_spec(raw, inp)
     sampling = _sampling_spec(raw)
     output = _output_spec(raw)
-    return JobSpec(model, inp, prompt, sampling, output, mode, source)
+    from batchgen.job_score import score_spec
+
+    score = score_spec(raw, mode, inp, prompt, output)
+    return JobSpec(model, inp, prompt, sampling, output, mode, source, score)
 
 
 def _model_spec(raw: dict) -> ModelSpec:

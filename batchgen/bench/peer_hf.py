@@ -21,6 +21,7 @@ from torch import nn
 
 from batchgen.bench.timing import peak_memory_bytes, reset_peak_memory, synchronize
 from batchgen.bench.workloads import Workload
+from batchgen.models.hf_export import to_hf_state_dict
 
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
@@ -65,23 +66,6 @@ def hf_config(raw: dict[str, Any]):
     return tf.AutoConfig.for_model(raw.get("model_type") or _MODEL_TYPES[arch], **kwargs)
 
 
-def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Our parameters under HF names, fused projections split back into their pieces."""
-    unfused: dict[str, list[str]] = {}
-    for hf_part, (ours, shard) in model.packed_modules.items():
-        unfused.setdefault(ours, [""] * 3)[shard] = hf_part
-    out: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
-        fused = next((f for f in unfused if f".{f}." in name), None)
-        if fused is None:
-            out[name] = param.detach()
-            continue
-        pieces = param.detach().split(model.shard_sizes(fused), dim=0)
-        for hf_part, piece in zip(unfused[fused], pieces):
-            out[name.replace(f".{fused}.", f".{hf_part}.")] = piece
-    return out
-
-
 @torch.no_grad()
 def build_hf_model(
     raw: dict[str, Any] | None,
@@ -97,7 +81,7 @@ def build_hf_model(
         return model.to(device).eval()
     with torch.device(device):
         model = tf.AutoModelForCausalLM.from_config(hf_config(raw), dtype=dtype)
-    result = model.load_state_dict(hf_state_dict(ours), strict=False)
+    result = model.load_state_dict(to_hf_state_dict(ours), strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("rotary_emb.inv_freq")]
     if raw.get("tie_word_embeddings"):
         missing = [k for k in missing if k != "lm_head.weight"]

@@ -65,6 +65,7 @@ class Request:
         first = self.seqs[0] if self.seqs else None
         cached = first.num_cached_tokens if first is not None else 0
         if self.is_score:
+            cached = sum(s.num_cached_tokens for s in self.seqs)  # every candidate's reuse
             results: list[ScoreOutput] = []
             for i in range(self.num_candidates):
                 if i in self.score_errors:

@@ -13,6 +13,7 @@ import polars as pl
 from batchgen.io import atomic
 from batchgen.io.openai_batch import output_line
 from batchgen.io.rows import ResultRow
+from batchgen.io.score_rows import ScoreRow
 
 
 def shard_file(k: int, fmt: str) -> str:
@@ -29,6 +30,8 @@ class ShardLayout:
         fmt: "parquet" or "openai-batch".
         compression: Parquet compression codec ("none" for uncompressed).
         model: the model name written in OpenAI-style records.
+        mode: "generate" (ResultRow) or "score" (ScoreRow: one row per candidate).
+        token_logprobs: score mode writes the per-token log-probs column.
     """
 
     passthrough: tuple[tuple[str, Any], ...] = ()  # (column, polars dtype or None)
@@ -36,6 +39,8 @@ class ShardLayout:
     fmt: str = "parquet"
     compression: str = "zstd"
     model: str = ""
+    mode: str = "generate"
+    token_logprobs: bool = False
 
 
 def _column(values: list[Any], dtype: Any) -> pl.Series:
@@ -54,6 +59,8 @@ def _column(values: list[Any], dtype: Any) -> pl.Series:
 
 def to_frame(rows: list[ResultRow], layout: ShardLayout) -> pl.DataFrame:
     """Result rows as a DataFrame with the contract columns (see README: Output)."""
+    if layout.mode == "score":
+        return score_frame(rows, layout)  # type: ignore[arg-type]
     str_t = pl.List(pl.String) if layout.multi else pl.String
     int_t = pl.List(pl.Int64) if layout.multi else pl.Int64
 
@@ -78,9 +85,40 @@ def to_frame(rows: list[ResultRow], layout: ShardLayout) -> pl.DataFrame:
     return pl.DataFrame([s.alias(n) for n, s in cols.items()])
 
 
+def score_frame(rows: list[ScoreRow], layout: ShardLayout) -> pl.DataFrame:
+    """Score rows as a DataFrame: one row per candidate (see README: Score mode)."""
+
+    def col(name: str, dtype: Any) -> pl.Series:
+        return pl.Series(name, [getattr(r, name) for r in rows], dtype=dtype)
+
+    cols = [pl.Series("id", [r.id for r in rows], dtype=pl.String)]
+    for name, dtype in layout.passthrough:
+        cols.append(_column([r.passthrough.get(name) for r in rows], dtype).alias(name))
+    cols += [
+        col("candidate_index", pl.Int64),
+        col("candidate", pl.String),
+        col("score", pl.Float64),
+        col("num_tokens", pl.Int64),
+        col("mean", pl.Float64),
+        col("rank", pl.Int64),
+        col("greedy_match", pl.Boolean),
+        col("error", pl.String),
+        col("error_code", pl.String),
+        col("num_prompt_tokens", pl.Int64),
+        col("num_cached_tokens", pl.Int64),
+    ]
+    if layout.token_logprobs:
+        cols.append(col("token_logprobs", pl.List(pl.Float64)))
+    return pl.DataFrame(cols)
+
+
+def _order(r: ResultRow | ScoreRow) -> tuple[int, int]:
+    return r.index, getattr(r, "candidate_index", None) or 0
+
+
 def write_shard(out_dir: str, k: int, rows: list[ResultRow], layout: ShardLayout) -> dict:
     """Write shard k atomically; returns its manifest entry fields (file, rows, size, sha256)."""
-    rows = sorted(rows, key=lambda r: r.index)
+    rows = sorted(rows, key=_order)
     final = os.path.join(out_dir, shard_file(k, layout.fmt))
     tmp = atomic.temp_path(final)
     try:

@@ -13,18 +13,19 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from batchgen.io import manifest
-from batchgen.io.readers import Reader, check_columns, file_format, resolve_inputs
+from batchgen.io.readers import file_format, resolve_inputs
 from batchgen.io.rows import InputRow, ResultRow
 from batchgen.io.writer import ShardLayout, write_shard
-from batchgen.job import JobError, JobSpec, require_prompt
+from batchgen.job import JobError, JobSpec
 from batchgen.pipeline import engine_factory as factory
 from batchgen.pipeline.fingerprint import fingerprint, fingerprint_parts
+from batchgen.pipeline.modes import mode_for
 from batchgen.pipeline.progress import Progress
 from batchgen.pipeline.sharding import ShardSelector
 from batchgen.pipeline.signals import EX_TEMPFAIL, GracefulStop, StopFlag
 from batchgen.pipeline.stats import RunStats, summary_lines, write_stats
-from batchgen.planner import Planner, Request, to_result
-from batchgen.prompts import PromptError, PromptRenderer, placeholders
+from batchgen.planner import Request
+from batchgen.prompts import PromptError, PromptRenderer
 
 
 @dataclass
@@ -40,8 +41,8 @@ class RunResult:
 @dataclass
 class _Shard:
     k: int
-    rows: int
-    results: list[ResultRow]
+    rows: int  # input units: rows (or groups, score mode's group layout)
+    results: list[ResultRow]  # or ScoreRows in score mode
     pending: int
     admitted: int = 0
 
@@ -77,6 +78,7 @@ class Runner:
         log: Callable[[str], None] | None = None,
     ):
         self.job = job
+        self.mode = mode_for(job)  # what differs between generate and score
         self.shard = shard or ShardSelector()
         self.overwrite = overwrite
         # Looked up at call time so tests can swap engine_factory.build_engine / build_tokenizer.
@@ -99,18 +101,14 @@ class Runner:
             raise JobError(f"model.path: {job.model.path!r} is not a directory (a HF model dir)")
         self.files = resolve_inputs(job.input.path)
         self.formats = {f: file_format(f, job.input.format) for f in self.files}
-        require_prompt(job, list(self.formats.values()))
-        self.columns = placeholders(job.prompt) + list(job.input.columns)
-        if job.sampling.overrides_column:
-            self.columns.append(job.sampling.overrides_column)
-        check_columns(self.files, job.input, self.columns)
+        self.columns = self.mode.columns(self.files, list(self.formats.values()))
         tok = self.tokenizer = self.tokenizer_factory(job)
         self.renderer = PromptRenderer(job.prompt, tok.chat_template, tok.bos_token, tok.eos_token)
         try:
             self.renderer.check(needs_chat=job.prompt.chat is not None)
         except PromptError as e:
             raise JobError(f"prompt: {e}") from None
-        self.parts = fingerprint_parts(job, self.files)
+        self.parts = self.mode.fingerprint_parts(fingerprint_parts(job, self.files))
         self.fingerprint = fingerprint(self.parts)
         self._claim_output_dir()
         manifest.remove_stray_temps(self.out_dir, self.shard.owns)
@@ -195,34 +193,19 @@ class Runner:
                 schema = pl.read_parquet_schema(f)
                 dtypes.update({c: schema[c] for c in self.job.input.columns if c in schema})
                 break
-        multi = self.job.sampling.base_params().get("n", 1) > 1
         passthrough = tuple((c, dtypes.get(c)) for c in self.job.input.columns)
-        return ShardLayout(
-            passthrough,
-            multi,
-            self.job.output.format,
-            self.job.output.compression,
-            os.path.basename(self.job.model.path),
-        )
+        return self.mode.layout(passthrough, os.path.basename(self.job.model.path))
 
-    def _planner(self) -> Planner:
+    def _planner(self):
         if self.engine is None:
             self.log(f"loading model {self.job.model.path} ...")
             self.engine = self.engine_factory(self.job)
-            self._plan = Planner(
-                self.renderer,
-                self.tokenizer,
-                self.engine.max_model_len,
-                self.job.sampling.base_params(),
-                self.job.input.columns,
-                self.job.sampling.overrides_column,
-                allow_multi=self.layout.multi or self.layout.fmt == "openai-batch",
-            )
+            self._plan = self.mode.planner(self.renderer, self.tokenizer, self.engine.max_model_len)
         return self._plan
 
     def _loop(self) -> bool:
         """Feed, step and commit until done (True) or stopped (False)."""
-        self.reader = Reader(self.files, self.job.input, self.columns, self.chunk_rows)
+        self.reader = self.mode.reader(self.files, self.columns, self.chunk_rows)
         self._chunks = iter(self.reader)
         self._buffer: tuple[int, list[InputRow]] | None = None
         self._queue: deque[tuple[int, Request]] = deque()
@@ -249,7 +232,7 @@ class Runner:
                 continue
             for out in self.engine.step():
                 k, req = self._in_flight.pop(out.request_id)
-                self._add_result(k, to_result(req, out))
+                self._add_results(k, self.mode.results(req, out))
             if deadline is not None and time.monotonic() > deadline:
                 if self._open:
                     self.log(f"abandoning {len(self._open)} unfinished shard(s) uncommitted")
@@ -282,7 +265,7 @@ class Runner:
         self._buffer = None
         plan = self._planner().plan(rows)
         self._open[k] = _Shard(k, len(rows), list(plan.errors), len(plan.requests))
-        self.progress.update(len(plan.errors), 0)
+        self.progress.update(len({e.index for e in plan.errors}), 0)
         self._queue.extend((k, r) for r in plan.requests)
         if not plan.requests:
             self._commit(k)
@@ -296,7 +279,7 @@ class Runner:
             rid = f"{k}/{req.index}"
             self._in_flight[rid] = (k, req)
             self._open[k].admitted += 1
-            self.engine.add_request(rid, req.prompt_token_ids, req.params)
+            self.mode.submit(self.engine, rid, req)
 
     def _drop_unstarted_shards(self) -> None:
         self._buffer = None
@@ -304,34 +287,20 @@ class Runner:
             del self._open[k]
         self._queue = deque((k, r) for k, r in self._queue if k in self._open)
 
-    def _add_result(self, k: int, result: ResultRow) -> None:
+    def _add_results(self, k: int, results: list[ResultRow]) -> None:
+        """The output rows of one finished request (one, or one per candidate)."""
         shard = self._open[k]
-        shard.results.append(result)
+        shard.results += results
         shard.pending -= 1
-        out_tokens = result.num_output_tokens
-        self.progress.update(1, sum(out_tokens) if isinstance(out_tokens, list) else out_tokens)
+        self.progress.update(1, self.mode.totals(results)["num_generated_tokens"])
         if shard.pending == 0:
             self._commit(k)
 
     def _commit(self, k: int) -> None:
         shard = self._open.pop(k)
-        results = shard.results
-        if len(results) != shard.rows or len({r.index for r in results}) != shard.rows:
-            raise RuntimeError(f"shard {k}: {len(results)} results for {shard.rows} rows")
-        entry = write_shard(self.out_dir, k, results, self.layout)
-
-        def total(attr: str) -> int:
-            vals = [getattr(r, attr) for r in results]
-            return sum(sum(v) if isinstance(v, list) else v for v in vals)
-
-        entry.update(
-            fingerprint=self.fingerprint,
-            rows=shard.rows,
-            ok=sum(r.ok for r in results),
-            errors=sum(not r.ok for r in results),
-            num_prompt_tokens=total("num_prompt_tokens"),
-            num_cached_tokens=total("num_cached_tokens"),
-            num_generated_tokens=total("num_output_tokens"),
-        )
+        self.mode.check(k, shard.rows, shard.results)
+        entry = write_shard(self.out_dir, k, shard.results, self.layout)
+        entry.update(fingerprint=self.fingerprint, rows=shard.rows)
+        entry.update(self.mode.totals(shard.results))  # score mode: rows = rows in the file
         manifest.write_entry(self.out_dir, k, entry)
         self.stats.add_shard(entry)

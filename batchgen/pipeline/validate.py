@@ -7,11 +7,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from batchgen.io.readers import Reader, check_columns, file_format, resolve_inputs
-from batchgen.job import JobError, JobSpec, require_prompt
+from batchgen.io.readers import file_format, resolve_inputs
+from batchgen.job import JobError, JobSpec
 from batchgen.pipeline import engine_factory as factory
-from batchgen.planner import Planner
-from batchgen.prompts import PromptError, PromptRenderer, placeholders
+from batchgen.pipeline.modes import mode_for
+from batchgen.prompts import PromptError, PromptRenderer
 
 
 @dataclass
@@ -21,13 +21,15 @@ class ValidateReport:
     ok: int = 0
     errors: Counter = field(default_factory=Counter)
     examples: list[str] = field(default_factory=list)  # first few error messages
-    prompt_lengths: array = field(default_factory=lambda: array("q"))  # compact per row
+    # Per row (score mode: per candidate, prompt + candidate), compact.
+    prompt_lengths: array = field(default_factory=lambda: array("q"))
     max_output_tokens: int = 0  # sum over ok rows of n x max_tokens (an upper bound)
+    score: bool = False  # score mode: ok / errors count candidates, rows count input units
 
     def lines(self) -> list[str]:
         out = [
-            f"input: {len(self.files)} file(s), {self.rows} rows: {self.ok} ok, "
-            f"{sum(self.errors.values())} will fail"
+            f"input: {len(self.files)} file(s), {self.rows} rows: {self.ok} "
+            f"{'candidates ' if self.score else ''}ok, {sum(self.errors.values())} will fail"
         ]
         for code, count in sorted(self.errors.items()):
             out.append(f"  {code}: {count}")
@@ -54,37 +56,32 @@ def validate(
 ) -> ValidateReport:
     """Check the job against its input and model files; raises JobError for a bad job."""
     files = resolve_inputs(job.input.path)
-    require_prompt(job, [file_format(f, job.input.format) for f in files])
-    columns = placeholders(job.prompt) + list(job.input.columns)
-    if job.sampling.overrides_column:
-        columns.append(job.sampling.overrides_column)
-    check_columns(files, job.input, columns)
+    mode = mode_for(job)
+    columns = mode.columns(files, [file_format(f, job.input.format) for f in files])
     tok = (tokenizer_factory or factory.build_tokenizer)(job)
     renderer = PromptRenderer(job.prompt, tok.chat_template, tok.bos_token, tok.eos_token)
     try:
         renderer.check(needs_chat=job.prompt.chat is not None)
     except PromptError as e:
         raise JobError(f"prompt: {e}") from None
-    multi = job.sampling.base_params().get("n", 1) > 1 or job.output.format == "openai-batch"
-    planner = Planner(
-        renderer,
-        tok,
-        (max_len_fn or factory.model_max_len)(job),
-        job.sampling.base_params(),
-        job.input.columns,
-        job.sampling.overrides_column,
-        allow_multi=multi,
-    )
-    report = ValidateReport(files)
-    for chunk in Reader(files, job.input, columns):
+    planner = mode.planner(renderer, tok, (max_len_fn or factory.model_max_len)(job))
+    report = ValidateReport(files, score=job.mode == "score")
+    for chunk in mode.reader(files, columns):
         plan = planner.plan(chunk)
         report.rows += len(chunk)
-        report.ok += len(plan.requests)
-        for err in plan.errors:
+        errors = list(plan.errors)
+        for req in plan.requests:
+            if job.mode == "score":
+                errors += req.errors
+                report.ok += len(req.token_ids)
+                n = len(req.prompt_token_ids)
+                report.prompt_lengths.extend(n + len(ids) for ids in req.token_ids.values())
+            else:
+                report.ok += 1
+                report.prompt_lengths.append(len(req.prompt_token_ids))
+                report.max_output_tokens += req.params.n * req.params.max_tokens
+        for err in errors:
             report.errors[err.error_code] += 1
             if len(report.examples) < max_examples:
                 report.examples.append(f"[{err.error_code}] {err.error}")
-        for req in plan.requests:
-            report.prompt_lengths.append(len(req.prompt_token_ids))
-            report.max_output_tokens += req.params.n * req.params.max_tokens
     return report

@@ -9,6 +9,7 @@ from batchgen.bench.random_model import build_random_model, init_random_, preset
 from batchgen.bench.workloads import build_workload
 from batchgen.layers.context import AttentionContext
 from batchgen.models.config import ModelConfig
+from batchgen.models.hf_export import to_hf_state_dict
 from batchgen.models.loader import build_model
 from batchgen.models.presets import BENCH_PRESETS, TINY_PRESETS
 
@@ -52,7 +53,7 @@ def test_continuous_batching_peer_runs_on_cpu():
 
 def test_hf_state_dict_unfuses_projections():
     model, _ = build_random_model("tiny", torch.float32, CPU)
-    sd = peer_hf.hf_state_dict(model)
+    sd = to_hf_state_dict(model)
     assert "model.layers.0.self_attn.q_proj.weight" in sd
     assert "model.layers.0.mlp.up_proj.weight" in sd
     assert not any("qkv_proj" in k or "gate_up_proj" in k for k in sd)

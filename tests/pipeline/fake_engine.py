@@ -6,7 +6,7 @@ import hashlib
 import time
 from dataclasses import dataclass
 
-from batchgen.outputs import CompletionOutput, RequestOutput
+from batchgen.outputs import CompletionOutput, RequestOutput, ScoreOutput
 from batchgen.sampling_params import SamplingParams
 
 CHAT_TEMPLATE = (
@@ -43,6 +43,27 @@ def fake_text(prompt_token_ids: list[int], seed: int | None, index: int = 0, max
     return text if max_tokens is None else text[:max_tokens]
 
 
+def fake_logprobs(prompt_token_ids: list[int], candidate_ids: list[int]) -> list[float]:
+    """What the FakeEngine scores: a per-token log-prob in (-10, 0) from a digest of the tokens."""
+    out = []
+    for j in range(len(candidate_ids)):
+        key = f"{prompt_token_ids}|{candidate_ids[: j + 1]}".encode()
+        h = int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
+        out.append(-((h % 997) + 1) / 100.0)
+    return out
+
+
+def fake_score(prompt_token_ids, candidate_ids, with_tokens=False) -> ScoreOutput:
+    lps = fake_logprobs(prompt_token_ids, candidate_ids)
+    return ScoreOutput(
+        sum(lps),
+        len(lps),
+        sum(lps) / len(lps),
+        list(lps) if with_tokens else None,
+        greedy_match=all(lp > -1.0 for lp in lps),
+    )
+
+
 @dataclass
 class FakeStats:
     num_prompt_tokens: int = 0
@@ -76,6 +97,11 @@ class FakeEngine:
         self.added.append(request_id)
         self._waiting.append((request_id, ids, params))
 
+    def add_score_request(self, request_id, prompt, candidates, return_token_logprobs=False):
+        self.added.append(request_id)
+        score = ("score", [list(c) for c in candidates], return_token_logprobs)
+        self._waiting.append((request_id, list(prompt), score))
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._waiting or self._running)
 
@@ -101,6 +127,8 @@ class FakeEngine:
         return done
 
     def _finish(self, rid: str, ids: list[int], params: SamplingParams) -> RequestOutput:
+        if isinstance(params, tuple):
+            return self._finish_score(rid, ids, *params[1:])
         if not ids:
             return RequestOutput.failed(rid, ids, "empty_prompt", "prompt is empty")
         if len(ids) >= self.max_model_len:
@@ -115,3 +143,25 @@ class FakeEngine:
         self.stats.num_prompt_tokens += len(ids)
         self.stats.num_generated_tokens += sum(len(o.token_ids) for o in outs)
         return RequestOutput(rid, ids, outs)
+
+    def _finish_score(self, rid, ids, candidates, with_tokens) -> RequestOutput:
+        if not ids:
+            return RequestOutput.failed(rid, ids, "empty_prompt", "prompt is empty")
+        scores = []
+        for i, cand in enumerate(candidates):
+            if not cand:
+                scores.append(
+                    ScoreOutput(
+                        0.0, 0, 0.0, error=f"candidate {i} empty", error_code="empty_candidate"
+                    )
+                )
+            elif len(ids) + len(cand) > self.max_model_len:
+                scores.append(
+                    ScoreOutput(
+                        0.0, 0, 0.0, error=f"candidate {i} too long", error_code="prompt_too_long"
+                    )
+                )
+            else:
+                scores.append(fake_score(ids, cand, with_tokens))
+        self.stats.num_prompt_tokens += len(ids)
+        return RequestOutput(rid, ids, [], scores=scores)

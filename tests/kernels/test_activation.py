@@ -1,0 +1,44 @@
+"""silu_and_mul: kernel vs reference, reference vs the formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from batchgen.kernels.activation import silu_and_mul, silu_and_mul_ref
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T, inter", [(1, 8), (5, 40), (3, 1500)])
+def test_silu_and_mul_matches_ref(device, close, T, inter, dtype):
+    x = (3 * torch.randn(T, 2 * inter, generator=torch.Generator().manual_seed(0))).to(dtype)
+    x = x.to(device)
+    out = silu_and_mul(x)
+    assert out.shape == (T, inter) and out.dtype == dtype
+    close(out, silu_and_mul_ref(x), dtype)
+
+
+def test_silu_and_mul_strided_rows(device, close):
+    base = torch.randn(4, 100, device=device)
+    x = base[:, :64]
+    close(silu_and_mul(x), silu_and_mul_ref(x), torch.float32)
+
+
+def test_silu_and_mul_rejects_odd_width(device):
+    with pytest.raises(ValueError, match=r"\[T, 2I\]"):
+        silu_and_mul(torch.randn(2, 7, device=device))
+
+
+def test_ref_matches_formula():
+    x = torch.randn(6, 32, dtype=torch.float64)
+    gate, up = x[:, :16], x[:, 16:]
+    expected = gate / (1 + torch.exp(-gate)) * up
+    torch.testing.assert_close(silu_and_mul_ref(x), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_and_mul_realistic(close, dtype):
+    x = torch.randn(4096, 2 * 14336, device="cuda", dtype=dtype)
+    close(silu_and_mul(x), silu_and_mul_ref(x), dtype)
