@@ -65,9 +65,7 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
         if self.max_num_batched_tokens < 1:
-            raise ConfigError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1"
-            )
+            raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 2")
 
