@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import check, check_dtype, check_launchable, tl, triton
+from .launch import check_dtype, check_launchable, tl, triton
 
 _BLOCK = 1024
 
@@ -36,8 +36,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         [T, I] in x.dtype.
     """
     op = "silu_and_mul"
-    check(x.dim() == 2 and x.shape[1] % 2 == 0, f"{op}: x must be [T, 2I], got {tuple(x.shape)}")
-    check(x.stride(1) == 1, f"{op}: x rows must be contiguous, got strides {x.stride()}")
+    if not (x.dim() == 2 and x.shape[1] % 2 == 0):
+        raise ValueError(f"{op}: x must be [T, 2I], got {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        raise ValueError(f"{op}: x rows must be contiguous, got strides {x.stride()}")
     check_dtype(op, "x", x)
     check_launchable(op, x)
     T, I = x.shape[0], x.shape[1] // 2

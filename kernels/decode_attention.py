@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from .launch import check, check_dtype, check_launchable, interpreting, pow2, tl, triton
+from .launch import check_dtype, check_launchable, interpreting, pow2, tl, triton
 from .paged_attention import causal_attention_ref, gather_kv_ref
 
 _LOG2E = 1.4426950408889634
@@ -74,7 +74,9 @@ def _decode_split_kernel(
 
     if NUM_SPLITS == 1:
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+        # seq_len 0 (a padding row) has l_i == 0 and yields zeros, not NaN.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         # An empty split (short sequence) leaves l_i == 0: partial 0 with weight exp2(-inf) = 0.
         nonempty = l_i > 0
@@ -101,13 +103,15 @@ def _decode_reduce_kernel(
     d_mask = offs_d < HEAD_DIM
     row = (b * HQ + h) * NUM_SPLITS + offs_s
     lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))
+    top = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # all 0 when seq_len == 0
     part = tl.load(
         part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
         mask=s_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
     o_ptrs = out_ptr + b * stride_ob + h * stride_oh + offs_d
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -144,7 +148,8 @@ def paged_attention_decode(
 
     Args:
         q: [B, Hq, D] (bf16/fp16/fp32), last dim contiguous; token b sits at position
-            seq_lens[b] - 1 and attends to all seq_lens[b] >= 1 keys.
+            seq_lens[b] - 1 and attends to all seq_lens[b] keys (a row with seq_lens[b] == 0,
+            e.g. CUDA-graph padding, gets zeros).
         k_cache, v_cache: [NB, BS, Hk, D], BS a power of two, Hq % Hk == 0, q's dtype.
         seq_lens: [B] int32.
         block_tables: [B, MB] int32.
@@ -157,45 +162,48 @@ def paged_attention_decode(
         [B, Hq, D] in q.dtype.
     """
     op = "paged_attention_decode"
-    check(q.dim() == 3, f"{op}: q must be [B, Hq, D], got {tuple(q.shape)}")
-    check(
-        k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
-        f"{op}: caches must be [NB, BS, Hk, D], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}",
-    )
+    if q.dim() != 3:
+        raise ValueError(f"{op}: q must be [B, Hq, D], got {tuple(q.shape)}")
+    if not (k_cache.dim() == 4 and k_cache.shape == v_cache.shape):
+        raise ValueError(
+            f"{op}: caches must be [NB, BS, Hk, D], "
+            f"got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
     B, HQ, D = q.shape
     _, bs, HK, _ = k_cache.shape
-    check(k_cache.shape[3] == D, f"{op}: q head_dim {D} != cache head_dim {k_cache.shape[3]}")
-    check(HQ % HK == 0, f"{op}: Hq={HQ} is not a multiple of Hk={HK}")
-    check(bs & (bs - 1) == 0, f"{op}: cache block size {bs} must be a power of two")
-    check(
-        q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1,
-        f"{op}: q and caches need a contiguous last dim",
-    )
-    check(
-        k_cache.dtype == v_cache.dtype == q.dtype,
-        f"{op}: q, k_cache and v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}",
-    )
+    if k_cache.shape[3] != D:
+        raise ValueError(f"{op}: q head_dim {D} != cache head_dim {k_cache.shape[3]}")
+    if HQ % HK != 0:
+        raise ValueError(f"{op}: Hq={HQ} is not a multiple of Hk={HK}")
+    if bs & (bs - 1) != 0:
+        raise ValueError(f"{op}: cache block size {bs} must be a power of two")
+    if not (q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1):
+        raise ValueError(f"{op}: q and caches need a contiguous last dim")
+    if not (k_cache.dtype == v_cache.dtype == q.dtype):
+        raise ValueError(
+            f"{op}: q, k_cache and v_cache dtypes differ: "
+            f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
     check_dtype(op, "q", q)
-    check(
-        seq_lens.shape == (B,) and seq_lens.dtype == torch.int32,
-        f"{op}: seq_lens must be [{B}] int32, got {tuple(seq_lens.shape)} {seq_lens.dtype}",
-    )
-    check(
-        block_tables.dim() == 2
-        and block_tables.shape[0] == B
-        and block_tables.dtype == torch.int32,
-        f"{op}: block_tables must be [{B}, MB] int32, "
-        f"got {tuple(block_tables.shape)} {block_tables.dtype}",
-    )
-    check(
-        block_tables.stride(1) == 1 and seq_lens.is_contiguous(),
-        f"{op}: seq_lens and block_tables rows must be contiguous",
-    )
+    if not (seq_lens.shape == (B,) and seq_lens.dtype == torch.int32):
+        raise ValueError(
+            f"{op}: seq_lens must be [{B}] int32, got {tuple(seq_lens.shape)} {seq_lens.dtype}"
+        )
+    if not (
+        block_tables.dim() == 2 and block_tables.shape[0] == B and block_tables.dtype == torch.int32
+    ):
+        raise ValueError(
+            f"{op}: block_tables must be [{B}, MB] int32, "
+            f"got {tuple(block_tables.shape)} {block_tables.dtype}"
+        )
+    if not (block_tables.stride(1) == 1 and seq_lens.is_contiguous()):
+        raise ValueError(f"{op}: seq_lens and block_tables rows must be contiguous")
     check_launchable(op, q, k_cache, v_cache, seq_lens, block_tables)
     if num_splits is None:
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * bs
         num_splits = choose_num_splits(B, HK, bound, q.device)
-    check(num_splits >= 1, f"{op}: num_splits must be >= 1, got {num_splits}")
+    if num_splits < 1:
+        raise ValueError(f"{op}: num_splits must be >= 1, got {num_splits}")
     return launch_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, *_tiles())
 
 
@@ -252,8 +260,10 @@ def paged_attention_decode_ref(
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Torch reference of paged_attention_decode (num_splits / max_seq_len are ignored)."""
-    out = torch.empty_like(q)
+    out = torch.zeros_like(q)
     for b, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            continue
         k = gather_kv_ref(k_cache, block_tables[b], seq_len)
         v = gather_kv_ref(v_cache, block_tables[b], seq_len)
         out[b] = causal_attention_ref(q[b : b + 1], k, v, scale)[0]

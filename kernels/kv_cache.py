@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import check, check_dtype, check_launchable, pow2, tl, triton
+from .launch import check_dtype, check_launchable, pow2, tl, triton
 
 
 @triton.jit
@@ -34,29 +34,30 @@ def _store_kvcache_kernel(
 
 def _check_args(k, v, k_cache, v_cache, slot_mapping) -> None:
     op = "store_kvcache"
-    check(
-        k.dim() == 3 and k.shape == v.shape,
-        f"{op}: k and v must be [T, Hk, D], got {tuple(k.shape)}, {tuple(v.shape)}",
-    )
-    check(
-        k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
-        f"{op}: caches must be [NB, BS, Hk, D], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}",
-    )
-    check(
-        k_cache.shape[2:] == k.shape[1:],
-        f"{op}: cache [.., .., Hk, D] = {tuple(k_cache.shape[2:])} "
-        f"does not match k {tuple(k.shape[1:])}",
-    )
-    check(
-        k.dtype == v.dtype == k_cache.dtype == v_cache.dtype,
-        f"{op}: k, v and caches must share a dtype, "
-        f"got {k.dtype}, {v.dtype}, {k_cache.dtype}, {v_cache.dtype}",
-    )
-    check(
-        slot_mapping.shape == (k.shape[0],) and slot_mapping.dtype == torch.int64,
-        f"{op}: slot_mapping must be [{k.shape[0]}] int64, "
-        f"got {tuple(slot_mapping.shape)} {slot_mapping.dtype}",
-    )
+    if not (k.dim() == 3 and k.shape == v.shape):
+        raise ValueError(
+            f"{op}: k and v must be [T, Hk, D], got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if not (k_cache.dim() == 4 and k_cache.shape == v_cache.shape):
+        raise ValueError(
+            f"{op}: caches must be [NB, BS, Hk, D], "
+            f"got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    if k_cache.shape[2:] != k.shape[1:]:
+        raise ValueError(
+            f"{op}: cache [.., .., Hk, D] = {tuple(k_cache.shape[2:])} "
+            f"does not match k {tuple(k.shape[1:])}"
+        )
+    if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(
+            f"{op}: k, v and caches must share a dtype, "
+            f"got {k.dtype}, {v.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
+    if not (slot_mapping.shape == (k.shape[0],) and slot_mapping.dtype == torch.int64):
+        raise ValueError(
+            f"{op}: slot_mapping must be [{k.shape[0]}] int64, "
+            f"got {tuple(slot_mapping.shape)} {slot_mapping.dtype}"
+        )
 
 
 def store_kvcache(
@@ -77,14 +78,12 @@ def store_kvcache(
     _check_args(k, v, k_cache, v_cache, slot_mapping)
     Hk, D = k.shape[1], k.shape[2]
     for name, t in (("k", k), ("v", v)):
-        check(
-            t.stride(2) == 1 and t.stride(1) == D,
-            f"{op}: {name}[t] must be contiguous [Hk, D], got strides {t.stride()}",
-        )
-    check(
-        k_cache.is_contiguous() and v_cache.is_contiguous(),
-        f"{op}: k_cache and v_cache must be contiguous",
-    )
+        if not (t.stride(2) == 1 and t.stride(1) == D):
+            raise ValueError(
+                f"{op}: {name}[t] must be contiguous [Hk, D], got strides {t.stride()}"
+            )
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{op}: k_cache and v_cache must be contiguous")
     check_dtype(op, "k", k)
     check_launchable(op, k, v, k_cache, v_cache, slot_mapping)
     if k.shape[0] == 0:

@@ -38,7 +38,6 @@ except ImportError:
 __all__ = [
     "HAS_TRITON",
     "KERNEL_DTYPES",
-    "check",
     "check_dtype",
     "check_launchable",
     "interpreting",
@@ -56,33 +55,28 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def check(ok: bool, message: str) -> None:
-    """Raise ValueError(message) when a launcher's precondition does not hold."""
-    if not ok:
-        raise ValueError(message)
-
-
 def check_launchable(op: str, *tensors: torch.Tensor) -> None:
-    """Check that Triton can run `op` on these tensors: installed, one CUDA device, or the
-    interpreter with CPU tensors."""
+    """Check that Triton can run `op` on these tensors: installed, all on one CUDA device, or
+    all on the CPU under the interpreter. Cheap on the CUDA path (launchers run every layer)."""
     if not HAS_TRITON:
         raise RuntimeError(f"{op}: Triton is not installed; call batchgen.kernels.ops.{op}")
-    device = tensors[0].device
-    for t in tensors:
-        check(
-            t.device == device,
-            f"{op}: all tensors must be on one device, got {device} and {t.device}",
-        )
-    if device.type != "cuda" and not (interpreting() and device.type == "cpu"):
-        raise ValueError(
-            f"{op}: the Triton kernel needs CUDA tensors (got {device}); CPU tensors run only "
-            "under TRITON_INTERPRET=1, otherwise call batchgen.kernels.ops"
-        )
+    if all(t.is_cuda for t in tensors):
+        index = tensors[0].get_device()
+        if all(t.get_device() == index for t in tensors):
+            return
+    elif interpreting() and all(t.device.type == "cpu" for t in tensors):
+        return
+    devices = sorted({str(t.device) for t in tensors})
+    raise ValueError(
+        f"{op}: the Triton kernel needs all tensors on one CUDA device (got {', '.join(devices)}); "
+        "CPU tensors run only under TRITON_INTERPRET=1, otherwise call batchgen.kernels.ops"
+    )
 
 
 def check_dtype(op: str, name: str, t: torch.Tensor, allowed=KERNEL_DTYPES) -> None:
     """Check that tensor `name` has one of the allowed dtypes."""
-    check(t.dtype in allowed, f"{op}: {name} has dtype {t.dtype}, expected one of {allowed}")
+    if t.dtype not in allowed:
+        raise ValueError(f"{op}: {name} has dtype {t.dtype}, expected one of {allowed}")
 
 
 def pow2(n: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import check, check_dtype, check_launchable, tl, triton
+from .launch import check_dtype, check_launchable, tl, triton
 
 _BLOCK_V = 4096
 
@@ -45,18 +45,19 @@ def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tens
         [N] float32.
     """
     op = "token_logprobs"
-    check(logits.dim() == 2, f"{op}: logits must be [N, V], got {tuple(logits.shape)}")
-    check(
-        logits.stride(1) == 1,
-        f"{op}: logits rows must be contiguous, got strides {logits.stride()}",
-    )
+    if logits.dim() != 2:
+        raise ValueError(f"{op}: logits must be [N, V], got {tuple(logits.shape)}")
+    if logits.stride(1) != 1:
+        raise ValueError(f"{op}: logits rows must be contiguous, got strides {logits.stride()}")
     check_dtype(op, "logits", logits)
     N = logits.shape[0]
-    check(
-        target_ids.shape == (N,) and target_ids.dtype == torch.int64,
-        f"{op}: target_ids must be [{N}] int64, got {tuple(target_ids.shape)} {target_ids.dtype}",
-    )
-    check(target_ids.is_contiguous(), f"{op}: target_ids must be contiguous")
+    if not (target_ids.shape == (N,) and target_ids.dtype == torch.int64):
+        raise ValueError(
+            f"{op}: target_ids must be [{N}] int64, "
+            f"got {tuple(target_ids.shape)} {target_ids.dtype}"
+        )
+    if not target_ids.is_contiguous():
+        raise ValueError(f"{op}: target_ids must be contiguous")
     check_launchable(op, logits, target_ids)
     out = torch.empty((N,), dtype=torch.float32, device=logits.device)
     if N:

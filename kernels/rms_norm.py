@@ -4,52 +4,44 @@ from __future__ import annotations
 
 import torch
 
-from .launch import check, check_dtype, check_launchable, pow2, tl, triton
+from .launch import check_dtype, check_launchable, pow2, tl, triton
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr,
-    res_ptr,
-    w_ptr,
-    out_ptr,
-    res_out_ptr,
-    stride_x,
-    stride_res,
-    stride_out,
-    stride_res_out,
-    H,
-    eps,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    # One program per row; the whole row [H] sits in registers (H <= 16k).
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < H
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x, stride_res, stride_out, stride_res_out, T, H, eps,
+    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # ROWS whole rows per program, each [H <= BLOCK] in registers; several rows per program
+    # when H is small (e.g. Qwen3's per-head q/k norm, H = 128).
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    mask = (rows < T) & (cols < H)
+    x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        r = tl.load(res_ptr + rows * stride_res + cols, mask=mask, other=0.0)
         # HF adds in the activation dtype: round the sum before normalising it.
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+        tl.store(res_out_ptr + rows * stride_res_out + cols, x, mask=mask)
     h = x.to(tl.float32)
-    var = tl.sum(h * h, axis=0) / H
-    normed = (h * tl.rsqrt(var + eps)).to(x.dtype)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    var = tl.sum(h * h, axis=1) / H
+    normed = (h * tl.rsqrt(var + eps)[:, None]).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0)
     # HF multiplies by the weight after casting back: one rounding of an exact fp32 product.
     out = w.to(tl.float32) * normed.to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_args(op: str, x: torch.Tensor, weight: torch.Tensor) -> None:
-    check(x.dim() == 2, f"{op}: x must be [T, H], got shape {tuple(x.shape)}")
-    check(
-        weight.shape == (x.shape[1],),
-        f"{op}: weight must be [{x.shape[1]}], got {tuple(weight.shape)}",
-    )
-    check(x.stride(1) == 1, f"{op}: x rows must be contiguous (stride(1) == 1), got {x.stride()}")
-    check(weight.is_contiguous(), f"{op}: weight must be contiguous")
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be [T, H], got shape {tuple(x.shape)}")
+    if weight.shape != (x.shape[1],):
+        raise ValueError(f"{op}: weight must be [{x.shape[1]}], got {tuple(weight.shape)}")
+    if x.stride(1) != 1:
+        raise ValueError(f"{op}: x rows must be contiguous (stride(1) == 1), got {x.stride()}")
+    if not weight.is_contiguous():
+        raise ValueError(f"{op}: weight must be contiguous")
     check_dtype(op, "x", x)
     check_dtype(op, "weight", weight)
     check_launchable(op, x, weight)
@@ -60,8 +52,9 @@ def _launch(x, residual, weight, eps, out, res_out) -> None:
     if T == 0:
         return
     block = pow2(H)
-    num_warps = min(max(block // 512, 1), 16)
-    _rms_norm_kernel[(T,)](
+    rows = max(1, 4096 // block)  # about 4k elements per program
+    num_warps = min(max(rows * block // 512, 1), 16)
+    _rms_norm_kernel[(triton.cdiv(T, rows),)](
         x,
         residual if residual is not None else x,
         weight,
@@ -71,9 +64,11 @@ def _launch(x, residual, weight, eps, out, res_out) -> None:
         residual.stride(0) if residual is not None else 0,
         out.stride(0),
         res_out.stride(0) if res_out is not None else 0,
+        T,
         H,
         eps,
         HAS_RESIDUAL=residual is not None,
+        ROWS=rows,
         BLOCK=block,
         num_warps=num_warps,
     )
@@ -113,13 +108,12 @@ def fused_add_rms_norm(
     """
     op = "fused_add_rms_norm"
     _check_args(op, x, weight)
-    check(
-        residual.shape == x.shape, f"{op}: residual {tuple(residual.shape)} != x {tuple(x.shape)}"
-    )
-    check(residual.dtype == x.dtype, f"{op}: residual dtype {residual.dtype} != x dtype {x.dtype}")
-    check(
-        residual.stride(1) == 1, f"{op}: residual rows must be contiguous, got {residual.stride()}"
-    )
+    if residual.shape != x.shape:
+        raise ValueError(f"{op}: residual {tuple(residual.shape)} != x {tuple(x.shape)}")
+    if residual.dtype != x.dtype:
+        raise ValueError(f"{op}: residual dtype {residual.dtype} != x dtype {x.dtype}")
+    if residual.stride(1) != 1:
+        raise ValueError(f"{op}: residual rows must be contiguous, got {residual.stride()}")
     check_launchable(op, x, residual)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from .launch import check, check_dtype, check_launchable, pow2, tl, triton
+from .launch import check_dtype, check_launchable, pow2, tl, triton
 
 
 def _inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
@@ -120,33 +120,34 @@ def rotary_embedding(
         (q_out [T, Hq, D], k_out [T, Hk, D]), new contiguous tensors in the input dtype.
     """
     op = "rotary_embedding"
-    check(
-        q.dim() == 3 and k.dim() == 3,
-        f"{op}: q and k must be [T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}",
-    )
+    if not (q.dim() == 3 and k.dim() == 3):
+        raise ValueError(f"{op}: q and k must be [T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}")
     T, HQ, D = q.shape
-    check(
-        k.shape[0] == T and k.shape[2] == D,
-        f"{op}: k {tuple(k.shape)} does not match q {tuple(q.shape)}",
-    )
-    check(D % 2 == 0, f"{op}: head_dim {D} must be even")
-    check(
-        positions.shape == (T,) and positions.dtype == torch.int64,
-        f"{op}: positions must be [{T}] int64, got {tuple(positions.shape)} {positions.dtype}",
-    )
-    check(
+    if not (k.shape[0] == T and k.shape[2] == D):
+        raise ValueError(f"{op}: k {tuple(k.shape)} does not match q {tuple(q.shape)}")
+    if D % 2 != 0:
+        raise ValueError(f"{op}: head_dim {D} must be even")
+    if not (positions.shape == (T,) and positions.dtype == torch.int64):
+        raise ValueError(
+            f"{op}: positions must be [{T}] int64, got {tuple(positions.shape)} {positions.dtype}"
+        )
+    if not (
         cos_sin_cache.dim() == 2
         and cos_sin_cache.shape[1] == D
-        and cos_sin_cache.dtype == torch.float32,
-        f"{op}: cos_sin_cache must be [max_pos, {D}] float32, "
-        f"got {tuple(cos_sin_cache.shape)} {cos_sin_cache.dtype}",
-    )
-    check(cos_sin_cache.stride(1) == 1, f"{op}: cos_sin_cache rows must be contiguous")
-    check(
-        q.stride(2) == 1 and k.stride(2) == 1,
-        f"{op}: q and k need a contiguous last dim, got strides {q.stride()}, {k.stride()}",
-    )
-    check(q.dtype == k.dtype, f"{op}: q dtype {q.dtype} != k dtype {k.dtype}")
+        and cos_sin_cache.dtype == torch.float32
+    ):
+        raise ValueError(
+            f"{op}: cos_sin_cache must be [max_pos, {D}] float32, "
+            f"got {tuple(cos_sin_cache.shape)} {cos_sin_cache.dtype}"
+        )
+    if cos_sin_cache.stride(1) != 1:
+        raise ValueError(f"{op}: cos_sin_cache rows must be contiguous")
+    if not (q.stride(2) == 1 and k.stride(2) == 1):
+        raise ValueError(
+            f"{op}: q and k need a contiguous last dim, got strides {q.stride()}, {k.stride()}"
+        )
+    if q.dtype != k.dtype:
+        raise ValueError(f"{op}: q dtype {q.dtype} != k dtype {k.dtype}")
     check_dtype(op, "q", q)
     check_launchable(op, positions, q, k, cos_sin_cache)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import check, check_launchable, tl, triton
+from .launch import check_launchable, tl, triton
 
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x7FEB352D, 0x846CA68B
@@ -133,17 +133,16 @@ def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, out_ptr, stride_row,
 
 
 def _check_rows(op: str, seeds: torch.Tensor, steps: torch.Tensor, rows: int) -> None:
-    check(
-        seeds.shape == (rows,) and seeds.dtype == torch.int64,
-        f"{op}: seeds must be [{rows}] int64, got {tuple(seeds.shape)} {seeds.dtype}",
-    )
-    check(
-        steps.shape == (rows,) and steps.dtype == torch.int64,
-        f"{op}: steps must be [{rows}] int64, got {tuple(steps.shape)} {steps.dtype}",
-    )
-    check(
-        seeds.is_contiguous() and steps.is_contiguous(), f"{op}: seeds and steps must be contiguous"
-    )
+    if not (seeds.shape == (rows,) and seeds.dtype == torch.int64):
+        raise ValueError(
+            f"{op}: seeds must be [{rows}] int64, got {tuple(seeds.shape)} {seeds.dtype}"
+        )
+    if not (steps.shape == (rows,) and steps.dtype == torch.int64):
+        raise ValueError(
+            f"{op}: steps must be [{rows}] int64, got {tuple(steps.shape)} {steps.dtype}"
+        )
+    if not (seeds.is_contiguous() and steps.is_contiguous()):
+        raise ValueError(f"{op}: seeds and steps must be contiguous")
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -171,14 +170,12 @@ def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
         [B] int64 token ids, the same as gumbel_argmax_ref picks.
     """
     op = "gumbel_argmax"
-    check(
-        logits.dim() == 2 and logits.dtype == torch.float32,
-        f"{op}: logits must be [B, V] float32, got {tuple(logits.shape)} {logits.dtype}",
-    )
-    check(
-        logits.stride(1) == 1,
-        f"{op}: logits rows must be contiguous, got strides {logits.stride()}",
-    )
+    if not (logits.dim() == 2 and logits.dtype == torch.float32):
+        raise ValueError(
+            f"{op}: logits must be [B, V] float32, got {tuple(logits.shape)} {logits.dtype}"
+        )
+    if logits.stride(1) != 1:
+        raise ValueError(f"{op}: logits rows must be contiguous, got strides {logits.stride()}")
     _check_rows(op, seeds, steps, logits.shape[0])
     check_launchable(op, logits, seeds, steps)
     out = torch.empty((logits.shape[0],), dtype=torch.int64, device=logits.device)

@@ -11,6 +11,7 @@ TFLOP/s. --tune also times tile variants of the two attention kernels. Not colle
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import triton
@@ -22,7 +23,7 @@ from batchgen.kernels.decode_attention import (
 )
 from batchgen.kernels.kv_cache import store_kvcache, store_kvcache_ref
 from batchgen.kernels.logprobs import token_logprobs, token_logprobs_ref
-from batchgen.kernels.paged_attention import launch_attention, paged_attention
+from batchgen.kernels.paged_attention import launch_attention, paged_attention, varlen_attention
 from batchgen.kernels.rms_norm import (
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
@@ -159,6 +160,13 @@ def bench_prefill(tune: bool):
         longest = max(q_lens)
         record(name, lambda a=args, m=longest: paged_attention(*a, 128**-0.5, m),
                sdpa_peer(q_lens, ctx_lens, hq, hk, 128), flops=flops)  # fmt: skip
+        if not ctx_lens[0]:
+            # The same kernel on contiguous K/V: the cost of reading through the block table.
+            q, k_cache, v_cache, cu = args[:4]
+            k = k_cache.flatten(0, 1)[: q.shape[0]]
+            v = v_cache.flatten(0, 1)[: q.shape[0]]
+            fn = functools.partial(varlen_attention, q, k, v, cu, longest, 128**-0.5)
+            record("  varlen (contiguous K/V)", fn, flops=flops)
         if not tune:
             continue
         for tiles in PREFILL_TILES:

@@ -61,6 +61,19 @@ def test_decode_more_splits_than_tiles(device, close):
     close(out, paged_attention_decode_ref(*args, 0.2), torch.float32)
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_empty_sequence_gives_zeros(device, num_splits):
+    # CUDA-graph padding rows may carry seq_len 0: zeros, never NaN.
+    q, k_cache, v_cache, seq_lens, block_tables = make_decode(
+        [5, 9], 4, 2, 32, 8, torch.float32, device
+    )
+    seq_lens[1] = 0
+    out = paged_attention_decode(q, k_cache, v_cache, seq_lens, block_tables, 0.2, num_splits)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    expected = paged_attention_decode_ref(q, k_cache, v_cache, seq_lens, block_tables, 0.2)
+    torch.testing.assert_close(out, expected)
+
+
 @pytest.mark.parametrize("block_n, num_splits", [(64, 1), (64, 2), (32, 4)])
 def test_decode_tile_shapes(device, close, block_n, num_splits):
     # Key tiles larger than the cache block (8), as on the GPU, and more splits than needed.
