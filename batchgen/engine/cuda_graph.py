@@ -7,9 +7,10 @@ buffers; a step copies its inputs into the buffers (padding up to the bucket) an
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from batchgen.engine.step_inputs import StepInputs
+from batchgen.engine.step_inputs import StepInputs, pad_block_tables
 from batchgen.layers.context import AttentionContext
 
 
@@ -43,6 +44,10 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
+        # Pinned staging buffers, reused every step (the previous step's copies finished: the
+        # engine syncs on the sampled tokens before it schedules again).
+        self.host_inputs = torch.zeros(4, n, dtype=torch.int64).pin_memory()
+        self.host_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32).pin_memory()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture(model, kv_caches)
 
@@ -84,27 +89,28 @@ class DecodeGraphs:
         """Replay the smallest bucket that holds the step; returns hidden states [B, H]."""
         b = len(step.seq_lens)
         bs = next(s for s in self.sizes if s >= b)
-        width = max(len(t) for t in step.block_tables)
-        tables = [t + [0] * (width - len(t)) for t in step.block_tables]
-        pad = bs - b
-        # Padding rows store nothing (slot -1) and attend to one dummy key.
-        host = torch.tensor(
-            [
-                step.input_ids + [0] * pad,
-                step.positions + [0] * pad,
-                step.slot_mapping + [-1] * pad,
-                step.seq_lens + [1] * pad,
-            ],
-            dtype=torch.int64,
-        ).pin_memory()
-        dev = host.to(self.input_ids.device, non_blocking=True)
+        # Rows: input ids, positions, slots, context lengths; padding rows store nothing
+        # (slot -1) and attend to one dummy key.
+        host = np.zeros((4, bs), dtype=np.int64)
+        host[0, :b] = step.input_ids
+        host[1, :b] = step.positions
+        host[2, :b] = step.slot_mapping
+        host[2, b:] = -1
+        host[3, :b] = step.seq_lens
+        host[3, b:] = 1
+        staged = self.host_inputs[:, :bs]
+        staged.copy_(torch.from_numpy(host))
+        dev = staged.to(self.input_ids.device, non_blocking=True)
         self.input_ids[:bs].copy_(dev[0])
         self.positions[:bs].copy_(dev[1])
         self.slot_mapping[:bs].copy_(dev[2])
         self.seq_lens[:bs].copy_(dev[3])
-        bt = torch.tensor(tables, dtype=torch.int32).pin_memory()
-        self.block_tables[:b, :width].copy_(bt, non_blocking=True)
-        if pad:
+        tables = pad_block_tables(step.block_tables)  # [b, width]
+        width = tables.shape[1]
+        staged_tables = self.host_tables[:b, :width]
+        staged_tables.copy_(torch.from_numpy(tables))
+        self.block_tables[:b, :width].copy_(staged_tables, non_blocking=True)
+        if bs > b:
             self.block_tables[b:bs, :1].zero_()
         graph, out = self.graphs[bs]
         graph.replay()

@@ -5,15 +5,13 @@ The one place where the scheduler's Python lists become device tensors.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from batchgen.config import ConfigError, EngineConfig
 from batchgen.engine.cuda_graph import DecodeGraphs
 from batchgen.engine.sampler import Sampler, SamplingBatch
 from batchgen.engine.scheduler_output import ScheduledSequence
-from batchgen.engine.step_inputs import StepInputs, build_step_inputs
+from batchgen.engine.step_inputs import StepInputs, build_step_inputs, pad_block_tables
 from batchgen.kernels import ops
 from batchgen.layers.context import AttentionContext
 from batchgen.models.config import ModelConfig
@@ -133,17 +131,16 @@ class ModelRunner:
         return t
 
     def _context(self, step: StepInputs) -> AttentionContext:
-        width = max(len(t) for t in step.block_tables)
-        tables = [t + [0] * (width - len(t)) for t in step.block_tables]
+        tables = torch.from_numpy(pad_block_tables(step.block_tables))  # [B, max_blocks]
+        if self.device.type == "cuda":
+            tables = tables.pin_memory().to(self.device, non_blocking=True)
         return AttentionContext(
             cu_seqlens_q=self._tensor(step.cu_seqlens_q, torch.int32),
             seq_lens=self._tensor(step.seq_lens, torch.int32),
             max_seqlen_q=step.max_seqlen_q,
             max_seqlen_k=max(step.seq_lens),
             slot_mapping=self._tensor(step.slot_mapping, torch.int64),
-            block_tables=self._tensor(
-                list(itertools.chain.from_iterable(tables)), torch.int32
-            ).view(len(tables), width),
+            block_tables=tables,
             kv_caches=self.kv_caches,
             is_decode=step.is_decode,
         )

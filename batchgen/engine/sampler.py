@@ -47,19 +47,23 @@ class Sampler:
         for row, ids in enumerate(batch.suppress_ids):
             if ids:
                 logits[row, ids] = float("-inf")
-        greedy_rows = [i for i, p in enumerate(batch.params) if p.greedy]
-        random_rows = [i for i, p in enumerate(batch.params) if not p.greedy]
-        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-        if greedy_rows:
-            idx = torch.tensor(greedy_rows, device=logits.device)
+        greedy = [p.greedy for p in batch.params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        elif not any(greedy):
+            tokens = self._sample(logits, batch.params, batch.seeds, batch.steps)
+        else:
+            tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+            rows = [i for i, g in enumerate(greedy) if g]
+            idx = torch.tensor(rows, device=logits.device)
             tokens[idx] = logits[idx].argmax(dim=-1)
-        if random_rows:
-            idx = torch.tensor(random_rows, device=logits.device)
+            rows = [i for i, g in enumerate(greedy) if not g]
+            idx = torch.tensor(rows, device=logits.device)
             tokens[idx] = self._sample(
                 logits[idx],
-                [batch.params[i] for i in random_rows],
-                [batch.seeds[i] for i in random_rows],
-                [batch.steps[i] for i in random_rows],
+                [batch.params[i] for i in rows],
+                [batch.seeds[i] for i in rows],
+                [batch.steps[i] for i in rows],
             )
         token_list = tokens.tolist()
         if raw_logprobs is None:

@@ -36,6 +36,11 @@ def test_tiny_greedy_gpu_equals_cpu(tiny_model_dir, enforce_eager):
 
 
 def test_llama31_8b_shape_bf16_logits_match_transformers():
+    """Our bf16 logits are as close to an fp32 reference as transformers' own bf16 logits.
+
+    A random 32-layer model amplifies rounding, so bf16 runs of the same weights legitimately
+    differ; the fair bar is transformers' own bf16 error against fp32 transformers.
+    """
     transformers = pytest.importorskip("transformers")
     from batchgen.layers.context import AttentionContext
     from batchgen.models.config import ModelConfig
@@ -54,21 +59,38 @@ def test_llama31_8b_shape_bf16_logits_match_transformers():
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
-    hf_config = transformers.LlamaConfig(**{k: v for k, v in preset.items() if k != "torch_dtype"})
-    with torch.device(device):
-        hf = transformers.LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
-    loaded = hf.load_state_dict(to_hf_state_dict(model), strict=False)
-    assert not loaded.unexpected_keys
-    assert all("rotary" in k for k in loaded.missing_keys), loaded.missing_keys
     batch = prompts(3, seed=1)
     ids = torch.tensor([t for p in batch for t in p], device=device)
     pos = torch.cat([torch.arange(len(p), device=device) for p in batch])
     with torch.no_grad():
         hidden = model(ids, pos, AttentionContext.for_prompts([len(p) for p in batch], device))
         ours = model.compute_logits(hidden).float()
-        ref = torch.cat([hf(torch.tensor([p], device=device)).logits[0].float() for p in batch])
-    cos = torch.nn.functional.cosine_similarity(ours, ref, dim=-1)
-    assert cos.min().item() > 0.99
-    scale = ref.abs().max().item()
-    assert (ours - ref).abs().max().item() <= 0.05 * scale
-    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9
+    state = {k: v.float() for k, v in to_hf_state_dict(model).items()}
+    del model, hidden
+    torch.cuda.empty_cache()
+    hf_config = transformers.LlamaConfig(**{k: v for k, v in preset.items() if k != "torch_dtype"})
+    with torch.device(device):
+        hf = transformers.LlamaForCausalLM(hf_config).float().eval()
+    loaded = hf.load_state_dict(state, strict=False)
+    del state
+    assert not loaded.unexpected_keys
+    assert all("rotary" in k for k in loaded.missing_keys), loaded.missing_keys
+
+    def hf_logits() -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat(
+                [hf(torch.tensor([p], device=device)).logits[0].float() for p in batch]
+            )
+
+    ref32 = hf_logits()
+    hf.to(torch.bfloat16)
+    ref16 = hf_logits()
+
+    def error(x: torch.Tensor) -> float:
+        return ((x - ref32).norm(dim=-1) / ref32.norm(dim=-1)).mean().item()
+
+    ours_err, hf_err = error(ours), error(ref16)
+    assert ours_err <= 1.5 * hf_err + 1e-3, (ours_err, hf_err)
+    agree = (ours.argmax(-1) == ref32.argmax(-1)).float().mean().item()
+    hf_agree = (ref16.argmax(-1) == ref32.argmax(-1)).float().mean().item()
+    assert agree >= hf_agree - 0.05, (agree, hf_agree)

@@ -1,0 +1,53 @@
+"""Profile decode steps of the `nano` workload: where a step's time goes, GPU kernels and host.
+
+Usage (CUDA machine, repo root): python examples/benchmarks/profile_decode.py [PRESET] [STEPS]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from batchgen.bench.engine_run import build_bench, submit
+from batchgen.bench.workloads import nano
+from batchgen.config import EngineConfig
+
+
+def main() -> None:
+    preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"
+    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 30
+    config = EngineConfig(model="-", dtype="bfloat16", device="cuda")
+    vocab = 151936 if preset.startswith("qwen") else 128256
+    w = nano(256, vocab)
+    bench = build_bench(config, preset, None, w.max_request_len)
+    engine = bench.engine()
+    submit(engine, w, "p")
+    while engine.scheduler.waiting or any(
+        s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
+    ):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps
+    print(f"{preset}: {len(engine.scheduler.running)} running, {wall * 1e3:.2f} ms per decode step")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    print(table.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+    print(table.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    gpu_us = sum(e.self_device_time_total for e in table)
+    print(f"GPU busy per step: {gpu_us / steps / 1e3:.2f} ms of {wall * 1e3:.2f} ms wall")
+
+
+if __name__ == "__main__":
+    main()
