@@ -22,7 +22,7 @@ def main() -> None:
     config = EngineConfig(model="-", dtype="bfloat16", device="cuda")
     vocab = 151936 if preset.startswith("qwen") else 128256
     w = nano(256, vocab)
-    bench = build_bench(config, preset, None, w.max_request_len)
+    bench = build_bench(config, preset, None, w.max_request_len())
     engine = bench.engine()
     submit(engine, w, "p")
     while engine.scheduler.waiting or any(
