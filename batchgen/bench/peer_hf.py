@@ -21,7 +21,6 @@ from torch import nn
 
 from batchgen.bench.timing import peak_memory_bytes, reset_peak_memory, synchronize
 from batchgen.bench.workloads import Workload
-from batchgen.models.hf_export import to_hf_state_dict
 
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
@@ -69,19 +68,21 @@ def hf_config(raw: dict[str, Any]):
 @torch.no_grad()
 def build_hf_model(
     raw: dict[str, Any] | None,
-    ours: nn.Module | None,
+    state: dict[str, torch.Tensor] | None,
     model_path: str | None,
     dtype: torch.dtype,
     device: torch.device,
 ) -> nn.Module:
-    """The transformers model: `model_path` loaded, or `raw` built with `ours`' weights."""
+    """The transformers model: `model_path` loaded, or `raw` built with `state`, our weights
+    under HF names (`batchgen.models.hf_export.to_hf_state_dict`, possibly moved to CPU so our
+    own model can be freed first)."""
     tf = _transformers()
     if model_path is not None:
         model = tf.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         return model.to(device).eval()
     with torch.device(device):
         model = tf.AutoModelForCausalLM.from_config(hf_config(raw), dtype=dtype)
-    result = model.load_state_dict(to_hf_state_dict(ours), strict=False)
+    result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("rotary_emb.inv_freq")]
     if raw.get("tie_word_embeddings"):
         missing = [k for k in missing if k != "lm_head.weight"]

@@ -168,6 +168,7 @@ def _pipeline(bench, w, opts, cost, ceilings, report, log) -> dict[str, Any]:
 
 def _peer(bench, w, opts, cost, ceilings, report, log) -> dict[str, Any]:
     from batchgen.bench import peer_hf
+    from batchgen.models.hf_export import to_hf_state_dict
 
     block: dict[str, Any] = {"name": "hf", "runs": [], "result": None, "ratio": None}
     if w.is_score:
@@ -177,11 +178,15 @@ def _peer(bench, w, opts, cost, ceilings, report, log) -> dict[str, Any]:
     device, dtype = bench.device, bench.runner.dtype
     vocab_size = bench.runner.model_config.vocab_size
     try:
-        hf = peer_hf.build_hf_model(
-            bench.hf_config, bench.runner.model, bench.model_path, dtype, device
-        )
-        bench.runner = None  # free our weights and KV cache before the peer sizes its own
+        state = None
+        if bench.model_path is None:
+            # Our weights go to host memory so our model and KV cache can be freed before the
+            # peer allocates its own (both at once do not fit for 8B-class models).
+            state = {k: v.cpu() for k, v in to_hf_state_dict(bench.runner.model).items()}
+        bench.runner = None
         _free(device)
+        hf = peer_hf.build_hf_model(bench.hf_config, state, bench.model_path, dtype, device)
+        del state
         for i in range(opts.peer_repeat):
             log(f"peer hf: timed run {i + 1}/{opts.peer_repeat} ...")
             warm = warmup_workload(w, vocab_size, opts.warmup)

@@ -33,7 +33,7 @@ def test_weight_copy_gives_the_same_logits(arch):
     else:
         raw = {**TINY_PRESETS[arch], "vocab_size": 512}
     ours = init_random_(build_model(ModelConfig.from_dict(raw), torch.float32, CPU), seed=1)
-    hf = peer_hf.build_hf_model(raw, ours, None, torch.float32, CPU)
+    hf = peer_hf.build_hf_model(raw, to_hf_state_dict(ours), None, torch.float32, CPU)
     ids = [(7 * i) % 512 for i in range(300)]
     with torch.no_grad():
         theirs = hf(torch.tensor([ids])).logits[0]
@@ -44,7 +44,7 @@ def test_weight_copy_gives_the_same_logits(arch):
 
 def test_continuous_batching_peer_runs_on_cpu():
     model, raw = build_random_model("tiny", torch.float32, CPU)
-    hf = peer_hf.build_hf_model(raw, model, None, torch.float32, CPU)
+    hf = peer_hf.build_hf_model(raw, to_hf_state_dict(model), None, torch.float32, CPU)
     w = build_workload("nano", 512, num_prompts=3, max_output_tokens=5)
     result = peer_hf.run_peer(hf, w, None, CPU, timeout_s=120)
     assert result.requests == 3 and result.errors == 0
