@@ -178,3 +178,24 @@ def test_stop_strings_min_tokens_and_logprobs(model_path, prompts, reference):
             use_tqdm=False,
         )[0]
         assert len(forced.token_ids) == 12 and eos not in forced.token_ids
+
+
+def test_startup_refuses_a_cache_that_cannot_hold_one_max_length_request(model_path):
+    from batchgen.config import ConfigError
+
+    with pytest.raises(
+        ConfigError,
+        match=r"KV cache holds 64 tokens, fewer than one "
+        r"max_model_len=256 request",
+    ):
+        LLM(model_path, dtype="float32", max_model_len=256, num_kv_blocks=4, block_size=16)
+
+
+def test_engine_stats_count_tokens(model_path, prompts):
+    llm = LLM(model_path, dtype="float32", max_model_len=256, num_kv_blocks=512)
+    outs = llm.generate(prompts[:4], GREEDY, use_tqdm=False)
+    stats = llm.stats.as_dict()
+    assert stats["requests"] == 4 and stats["errors"] == 0
+    assert stats["prompt_tokens"] == sum(len(p) for p in prompts[:4])
+    assert stats["generated_tokens"] == sum(len(o.token_ids) for o in outs)
+    assert stats["steps"] >= max(len(o.token_ids) for o in outs)
