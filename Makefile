@@ -12,9 +12,9 @@ DEMO_MODEL := examples/tiny-llama
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# numpy < 2.3: triton 3.6's interpreter (TRITON_INTERPRET=1, used by the kernel tests) breaks on 2.4.
 install: $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
-	# numpy < 2.3: triton 3.6's interpreter (TRITON_INTERPRET=1, used by the kernel tests) breaks on 2.4.
 	$(BIN)/pip install -q "numpy<2.3" -e ".[test]"
 
 test: install

@@ -273,20 +273,16 @@ class LLMEngine:
                     assert error is None, error  # validated by _precheck
 
     def _sampling_batch(self, scheduled) -> SamplingBatch:
-        params, seeds, steps, prompts, outputs, suppress = [], [], [], [], [], []
-        for item in scheduled:
-            if not item.samples:
-                continue
-            seq = item.seq
-            p = seq.params
-            params.append(p)
-            seeds.append(seq.seed)
-            steps.append(seq.num_output_tokens)
-            penalized = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-            prompts.append(seq.prompt_token_ids if penalized else [])
-            outputs.append(seq.output_token_ids if penalized else [])
-            if seq.num_output_tokens < p.min_tokens:
-                suppress.append(sorted(set(p.stop_token_ids) | self.eos_token_ids))
-            else:
-                suppress.append([])
-        return SamplingBatch(params, seeds, steps, prompts, outputs, suppress)
+        """Per sampling sequence: params, random-stream key and token index; token histories
+        and suppressed ids only for the rows that need them (this runs every step)."""
+        seqs = [item.seq for item in scheduled if item.samples]
+        params = [seq.params for seq in seqs]
+        steps = [len(seq.token_ids) - seq.num_prompt_tokens for seq in seqs]
+        empty: list[int] = []
+        prompts, outputs, suppress = [empty] * len(seqs), [empty] * len(seqs), [empty] * len(seqs)
+        for i, (seq, p, step) in enumerate(zip(seqs, params, steps)):
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                prompts[i], outputs[i] = seq.prompt_token_ids, seq.output_token_ids
+            if step < p.min_tokens:
+                suppress[i] = sorted(set(p.stop_token_ids) | self.eos_token_ids)
+        return SamplingBatch(params, [seq.seed for seq in seqs], steps, prompts, outputs, suppress)

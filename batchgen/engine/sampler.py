@@ -38,7 +38,8 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch
     ) -> tuple[list[int], list[dict[int, float]] | None]:
-        """logits: [N, V] float32 -> (token per row, per-row {token: logprob} or None)."""
+        """logits: [N, V] (modified in place) -> (token per row, {token: logprob} per row or
+        None)."""
         logits = logits.float()
         raw_logprobs = None
         if any(p.logprobs is not None for p in batch.params):
@@ -107,7 +108,7 @@ class Sampler:
         """logits: [M, V] -> [M] tokens, by Gumbel-max over the filtered, tempered logits."""
         device = logits.device
         temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-        logits = logits / temps  # [M, V]
+        logits = logits.div_(temps)  # [M, V]; in place: the caller's fp32 copy is ours
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]

@@ -48,6 +48,18 @@ def build_step_inputs(scheduled: list[ScheduledSequence], block_size: int) -> St
     step = StepInputs()
     for row, item in enumerate(scheduled):
         seq, start, end = item.seq, item.start, item.start + item.num_new_tokens
+        if item.num_new_tokens == 1 and seq.score_from is None:  # decode: the common case
+            step.input_ids.append(seq.token_ids[start])
+            step.positions.append(start)
+            block, offset = divmod(start, block_size)
+            step.slot_mapping.append(seq.block_table[block] * block_size + offset)
+            flat = step.cu_seqlens_q[-1]
+            step.cu_seqlens_q.append(flat + 1)
+            step.seq_lens.append(end)
+            step.block_tables.append(seq.block_table)
+            if item.samples:
+                step.sample_rows.append(flat)
+            continue
         step.input_ids.extend(seq.token_ids[start:end])
         step.positions.extend(range(start, end))
         # One range per touched block instead of one Python op per token.
