@@ -161,10 +161,18 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
         skipped: list[Sequence] = []  # siblings still waiting for their parent's prompt
+        # Prefix blocks that this step's admissions will compute. A later waiting sequence whose
+        # next uncached block is one of them waits one step and then hits the cache, instead of
+        # computing the same prefix again alongside (shared system prompts, few-shot headers).
+        pending: set[tuple[int, ...]] = set()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             computed = self._reusable_blocks(seq)
             if computed is None:
+                skipped.append(self.waiting.popleft())
+                continue
+            next_prefix = self._next_uncached_prefix(seq, len(computed))
+            if next_prefix is not None and next_prefix in pending:
                 skipped.append(self.waiting.popleft())
                 continue
             num_computed = len(computed) * bm.block_size
@@ -172,6 +180,8 @@ class Scheduler:
             if not bm.allocate_slots(seq, num_new, computed):
                 break  # no head-of-line skipping: wait for blocks to free up
             self.waiting.popleft()
+            if next_prefix is not None:
+                pending.add(next_prefix)
             seq.parent = None
             if seq.num_preemptions == 0:  # first admission
                 seq.num_cached_tokens = num_computed
@@ -181,6 +191,16 @@ class Scheduler:
             self._add_scheduled(out, seq, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+
+    def _next_uncached_prefix(self, seq: Sequence, num_cached_blocks: int) -> tuple | None:
+        """The tokens up to the end of seq's first block not found in the cache, if that block
+        is full and cacheable; None otherwise (or when caching is off)."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching or seq.parent is not None:
+            return None
+        limit = seq.score_from - 1 if seq.is_score else seq.num_tokens - 1
+        end = (num_cached_blocks + 1) * bm.block_size
+        return tuple(seq.token_ids[:end]) if end <= limit else None
 
     def _reusable_blocks(self, seq: Sequence) -> list[int] | None:
         """Blocks seq can start from on admission; None while it must wait for its parent."""

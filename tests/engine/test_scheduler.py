@@ -412,3 +412,28 @@ def test_randomized_invariants(seed):
         elif seq.finish_reason == "score":
             assert seq.num_output_tokens == 0
     assert sched.block_manager.num_free_blocks == num_blocks
+
+
+def test_same_step_admissions_sharing_a_prefix_wait_one_step_and_hit_the_cache():
+    bs = 4
+    bm = BlockManager(64, bs, enable_prefix_caching=True)
+    sched = Scheduler(
+        bm,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        eos_token_ids=frozenset([99]),
+    )
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    shared = list(range(1, 13))  # three full blocks
+    a = Sequence(0, "a", shared + [20, 21], params)
+    b = Sequence(1, "b", shared + [30], params)
+    c = Sequence(2, "c", [50, 51, 52, 53, 54], params)  # another prefix: admitted at once
+    for seq in (a, b, c):
+        assert sched.add(seq) is None
+    first = sched.schedule()
+    assert [s.seq.seq_id for s in first.scheduled] == [0, 2]
+    sched.postprocess(first, {0: 7, 2: 7})
+    second = sched.schedule()
+    admitted = next(s for s in second.scheduled if s.seq is b)
+    assert b.num_cached_tokens == 12 and admitted.start == 12 and admitted.num_new_tokens == 1
