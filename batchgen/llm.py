@@ -10,6 +10,7 @@ from batchgen.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.outputs import RequestOutput, ScoreOutput
 from batchgen.sampling_params import SamplingParams
+from batchgen.scoring import tokenize_for_scoring
 
 
 class LLM:
@@ -90,8 +91,6 @@ class LLM:
         """
         if len(candidates) != len(prompts):
             raise ValueError(f"got {len(candidates)} candidate lists for {len(prompts)} prompts")
-        from batchgen.scoring import tokenize_for_scoring
-
         for i, (prompt, cands) in enumerate(zip(prompts, candidates)):
             prompt_ids, cand_ids = tokenize_for_scoring(self.tokenizer, prompt, cands, separator)
             self.engine.add_score_request(str(i), prompt_ids, cand_ids, return_token_logprobs)

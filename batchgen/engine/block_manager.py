@@ -165,15 +165,6 @@ class BlockManager:
             seq.block_table.append(self._allocate_free_block())
         return True
 
-    def fork(self, parent: Sequence, child: Sequence, num_shared_blocks: int) -> None:
-        """Give child the parent's first num_shared_blocks blocks (computed, shared, read-only)."""
-        assert not child.block_table, f"seq {child.seq_id}: fork into a non-empty table"
-        assert parent.num_computed_tokens >= num_shared_blocks * self.block_size
-        for block_id in parent.block_table[:num_shared_blocks]:
-            self._take(block_id)
-        child.block_table = list(parent.block_table[:num_shared_blocks])
-        child.num_computed_tokens = num_shared_blocks * self.block_size
-
     def free(self, seq: Sequence) -> None:
         """Drop seq's references, tail first, so its last blocks are the first evicted."""
         for block_id in reversed(seq.block_table):

@@ -160,7 +160,13 @@ class LLMEngine:
                     sample_index=i,
                     score_from=len(ids),
                 )
-                add_error = self.scheduler.add(seq) if not request.seqs else self._precheck(seq)
+                # The first valid candidate is queued now; the others are only validated here
+                # and queued once its prompt blocks are cached (_release_followers).
+                add_error = (
+                    self.scheduler.add(seq)
+                    if not request.seqs
+                    else self.scheduler.check_servable(seq)
+                )
                 error = tuple(add_error) if add_error is not None else None
             if error is not None:
                 request.score_errors[i] = (error[0], f"candidate {i}: {error[1]}")
@@ -174,10 +180,6 @@ class LLMEngine:
         if not request.seqs:
             self._ready.append(request.output(self._decode))
             del self._requests[request_id]
-
-    def _precheck(self, seq: Sequence):
-        """Follower candidates are validated now and queued later (see _release_followers)."""
-        return self.scheduler.check_servable(seq)
 
     def _prompt_ids(self, request_id: str, prompt) -> list[int] | None:
         if request_id in self._requests:

@@ -225,14 +225,14 @@ def test_prefix_caching_off():
 
 
 def test_fork_shares_blocks():
+    # What the scheduler does for sample k > 0: admit it on the parent's full prompt blocks.
     bm = BlockManager(8, BS, enable_prefix_caching=False)
     parent = make_seq(0, range(10))
     admit_and_compute(bm, parent)
     child = make_seq(1, range(10))
-    bm.fork(parent, child, 2)
-    assert child.block_table == parent.block_table[:2] and child.num_computed_tokens == 8
+    assert bm.allocate_slots(child, 2, parent.block_table[:2])
+    assert child.block_table[:2] == parent.block_table[:2] and child.num_computed_tokens == 8
     assert [bm.blocks[b].ref_count for b in parent.block_table] == [2, 2, 1]
-    assert bm.allocate_slots(child, 2)
     assert bm.num_used_blocks == 4
     check_refcounts(bm, [parent, child])
     bm.free(parent)
