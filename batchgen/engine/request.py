@@ -62,10 +62,11 @@ class Request:
 
     def output(self, decode) -> RequestOutput:
         """The finished request's RequestOutput; `decode(ids) -> str` decodes a sample once."""
+        # Prompt tokens served from the cache when the prompt was first computed (for a score
+        # request, by its first candidate; the others reuse that prompt by construction).
         first = self.seqs[0] if self.seqs else None
         cached = first.num_cached_tokens if first is not None else 0
         if self.is_score:
-            cached = sum(s.num_cached_tokens for s in self.seqs)  # every candidate's reuse
             results: list[ScoreOutput] = []
             for i in range(self.num_candidates):
                 if i in self.score_errors:
