@@ -64,8 +64,6 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._requests: dict[str, Request] = {}
         self._ready: list[RequestOutput] = []  # rejected at add time, returned by the next step
-        # leader seq_id -> (leader, candidates waiting for its prompt blocks)
-        self._followers: dict[int, tuple[Sequence, list[Sequence]]] = {}
 
     # ---- requests in ---------------------------------------------------------------------
     def add_request(
@@ -132,8 +130,9 @@ class LLMEngine:
     ) -> None:
         """Queue the scoring of each candidate continuation after `prompt` (token ids).
 
-        The first valid candidate computes the shared prompt; the rest are admitted once its
-        prompt blocks are in the prefix cache, so the prompt is computed once per request.
+        Every candidate is a sequence of prompt + candidate tokens. The scheduler holds back a
+        candidate while another one is computing the shared prompt blocks it would need, so it
+        then takes them from the prefix cache: the prompt is computed once per request.
         """
         ids = self._prompt_ids(request_id, prompt)
         if ids is None:
@@ -150,7 +149,6 @@ class LLMEngine:
             error = self._check_ids(cand, "candidate")
             if error is None and not cand:
                 error = ("empty_candidate", f"candidate {i} has no tokens")
-            seq = None
             if error is None:
                 seq = Sequence(
                     next(self._seq_ids),
@@ -160,22 +158,13 @@ class LLMEngine:
                     sample_index=i,
                     score_from=len(ids),
                 )
-                # The first valid candidate is queued now; the others are only validated here
-                # and queued once its prompt blocks are cached (_release_followers).
-                add_error = (
-                    self.scheduler.add(seq)
-                    if not request.seqs
-                    else self.scheduler.check_servable(seq)
-                )
-                error = tuple(add_error) if add_error is not None else None
-            if error is not None:
-                request.score_errors[i] = (error[0], f"candidate {i}: {error[1]}")
-                continue
-            request.scores[i] = ScoreAccumulator()
-            if request.seqs:
-                leader = request.seqs[0]
-                self._followers.setdefault(leader.seq_id, (leader, []))[1].append(seq)
-            request.seqs.append(seq)
+                add_error = self.scheduler.add(seq)
+                if add_error is None:
+                    request.scores[i] = ScoreAccumulator()
+                    request.seqs.append(seq)
+                    continue
+                error = tuple(add_error)
+            request.score_errors[i] = (error[0], f"candidate {i}: {error[1]}")
         self._track(request, sum(s.num_tokens for s in request.seqs))
         if not request.seqs:
             self._ready.append(request.output(self._decode))
@@ -255,7 +244,6 @@ class LLMEngine:
             if checker is not None and checker.add(sampled[seq.seq_id]) and not seq.is_finished:
                 self.scheduler.finish(seq, "stop")
                 done.append(seq)
-        self._release_followers()
         self.stats.num_preemptions = self.scheduler.num_preemptions
         for seq in done:
             request = self._requests.get(seq.request_id)
@@ -264,15 +252,6 @@ class LLMEngine:
                 finished_outputs.append(request.output(self._decode))
                 del self._requests[seq.request_id]
         return finished_outputs
-
-    def _release_followers(self) -> None:
-        """Queue score candidates whose leader has computed the shared prompt (or is gone)."""
-        for leader_id, (leader, followers) in list(self._followers.items()):
-            if leader.is_finished or leader.num_computed_tokens >= leader.score_from - 1:
-                del self._followers[leader_id]
-                for seq in followers:
-                    error = self.scheduler.add(seq)
-                    assert error is None, error  # validated by _precheck
 
     def _sampling_batch(self, scheduled) -> SamplingBatch:
         """Per sampling sequence: params, random-stream key and token index; token histories

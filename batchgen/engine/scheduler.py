@@ -133,7 +133,7 @@ class Scheduler:
         budget -= out.num_batched_tokens
         # After a preemption, blocks are short: admitting now would only thrash.
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, self._prefixes_in_prefill())
         assert out.scheduled or not self.has_unfinished(), (
             "scheduler stalled with nothing running: add() should have rejected "
             f"{self.waiting[0] if self.waiting else None}"
@@ -158,13 +158,18 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(
+        self, out: SchedulerOutput, budget: int, pending: set[tuple[int, ...]]
+    ) -> None:
+        """Admit waiting sequences FIFO.
+
+        `pending` holds prefixes whose last block is being computed (by running prefills, then
+        by this step's admissions too). A waiting sequence whose next uncached block ends one of
+        them waits and later hits the cache, instead of computing the same prefix alongside
+        (shared system prompts, few-shot headers, the candidates of one scored prompt).
+        """
         bm = self.block_manager
-        skipped: list[Sequence] = []  # siblings still waiting for their parent's prompt
-        # Prefix blocks that this step's admissions will compute. A later waiting sequence whose
-        # next uncached block is one of them waits one step and then hits the cache, instead of
-        # computing the same prefix again alongside (shared system prompts, few-shot headers).
-        pending: set[tuple[int, ...]] = set()
+        skipped: list[Sequence] = []  # siblings awaiting their parent; sequences deferred
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             computed = self._reusable_blocks(seq)
@@ -191,6 +196,16 @@ class Scheduler:
             self._add_scheduled(out, seq, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+
+    def _prefixes_in_prefill(self) -> set[tuple[int, ...]]:
+        """Next-block prefixes of running sequences whose cacheable prompt is not computed yet."""
+        bs = self.block_manager.block_size
+        return {
+            prefix
+            for seq in self.running
+            if (prefix := self._next_uncached_prefix(seq, seq.num_computed_tokens // bs))
+            is not None
+        }
 
     def _next_uncached_prefix(self, seq: Sequence, num_cached_blocks: int) -> tuple | None:
         """The tokens up to the end of seq's first block not found in the cache, if that block

@@ -437,3 +437,27 @@ def test_same_step_admissions_sharing_a_prefix_wait_one_step_and_hit_the_cache()
     second = sched.schedule()
     admitted = next(s for s in second.scheduled if s.seq is b)
     assert b.num_cached_tokens == 12 and admitted.start == 12 and admitted.num_new_tokens == 1
+
+
+def test_waiting_sequence_waits_for_a_running_prefill_of_its_prefix():
+    # Budget 8 tokens per step: `a` computes its 16-token shared prefix over two steps; `b`,
+    # which shares it, is held back until the blocks are cached, then computes only its tail.
+    bs = 4
+    bm = BlockManager(64, bs, enable_prefix_caching=True)
+    sched = Scheduler(
+        bm,
+        max_num_seqs=8,
+        max_num_batched_tokens=8,
+        max_model_len=64,
+        eos_token_ids=frozenset([99]),
+    )
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    shared = list(range(1, 17))
+    a = Sequence(0, "a", shared + [20], params)
+    b = Sequence(1, "b", shared + [30], params)
+    assert sched.add(a) is None and sched.add(b) is None
+    while not b.is_finished:
+        out = sched.schedule()
+        assert all(s.seq is a for s in out.scheduled) or a.num_computed_tokens >= 16
+        sched.postprocess(out, {s.seq.seq_id: 7 for s in out.scheduled if s.samples})
+    assert b.num_cached_tokens == 16
