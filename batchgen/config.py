@@ -28,6 +28,8 @@ class EngineConfig:
         max_model_len: longest prompt + output; None takes the model's own limit.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
         enforce_eager: never use CUDA graphs.
+        async_scheduling: schedule and launch step N+1 while step N runs on the device, then
+            read step N's tokens (hides the host's per-step work; same outputs either way).
         allow_pickle: permit pickle `.bin` checkpoints (loaded with weights_only=True).
         seed: seeds weight-free randomness (the draw of seeds for requests without one).
     """
@@ -44,6 +46,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    async_scheduling: bool = True
     allow_pickle: bool = False
     seed: int = 0
 

@@ -101,11 +101,14 @@ class BlockManager:
         return hits
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register seq's blocks that are full and computed; already registered ones are kept."""
+        """Register seq's blocks that are full, computed and whose token ids are all known (a
+        token still pending on the device defers its block to a later call); already
+        registered ones are kept."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        known = min(seq.num_computed_tokens, seq.num_known_tokens)
+        num_full = min(known // bs, len(seq.block_table))
         start = self._num_hashed.get(seq.seq_id, 0)
         for i in range(start, num_full):
             block = self.blocks[seq.block_table[i]]
@@ -126,7 +129,11 @@ class BlockManager:
 
     # ---- allocation --------------------------------------------------------------------------
     def allocate_slots(
-        self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        computed_blocks: list[int] | None = None,
+        reserve: int = 0,
     ) -> bool:
         """Grow seq.block_table to cover num_computed_tokens + num_new_tokens tokens.
 
@@ -136,6 +143,7 @@ class BlockManager:
             computed_blocks: on admission, blocks already holding seq's leading tokens (from
                 get_computed_blocks or a parent's prompt); they are taken first and
                 seq.num_computed_tokens becomes len(computed_blocks) * block_size.
+            reserve: free blocks that must remain after this allocation.
 
         Returns:
             False, changing nothing, if the free pool is too small; True otherwise.
@@ -154,7 +162,7 @@ class BlockManager:
         num_from_pool = max(num_needed, 0) + sum(
             1 for b in computed_blocks if self.blocks[b].ref_count == 0
         )
-        if num_from_pool > len(self.free_queue):
+        if num_from_pool + reserve > len(self.free_queue):
             return False
         for block_id in computed_blocks:
             self._take(block_id)

@@ -44,10 +44,14 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
-        # Pinned staging buffers, reused every step (the previous step's copies finished: the
-        # engine syncs on the sampled tokens before it schedules again).
-        self.host_inputs = torch.zeros(4, n, dtype=torch.int64).pin_memory()
-        self.host_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32).pin_memory()
+        # Pinned staging buffers, two sets used in turn: with async scheduling the host fills
+        # step N+1's inputs while step N runs, but step N-1 (the last user of the other set,
+        # copies included) has been waited for by then.
+        self.host_inputs = [torch.zeros(4, n, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.host_tables = [
+            torch.zeros(n, self.max_blocks, dtype=torch.int32).pin_memory() for _ in range(2)
+        ]
+        self._turn = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture(model, kv_caches)
 
@@ -85,8 +89,12 @@ class DecodeGraphs:
             and max(len(t) for t in step.block_tables) <= self.max_blocks
         )
 
-    def run(self, step: StepInputs) -> torch.Tensor:
-        """Replay the smallest bucket that holds the step; returns hidden states [B, H]."""
+    def run(self, step: StepInputs, patch=None) -> torch.Tensor:
+        """Replay the smallest bucket that holds the step; returns hidden states [B, H].
+
+        patch, if given, is called on the static input ids [bs] after they are filled (it
+        writes the tokens that are still on the device) and before the replay.
+        """
         b = len(step.seq_lens)
         bs = next(s for s in self.sizes if s >= b)
         # Rows: input ids, positions, slots, context lengths; padding rows store nothing
@@ -98,7 +106,8 @@ class DecodeGraphs:
         host[2, b:] = -1
         host[3, :b] = step.seq_lens
         host[3, b:] = 1
-        staged = self.host_inputs[:, :bs]
+        self._turn ^= 1
+        staged = self.host_inputs[self._turn][:, :bs]
         staged.copy_(torch.from_numpy(host))
         dev = staged.to(self.input_ids.device, non_blocking=True)
         self.input_ids[:bs].copy_(dev[0])
@@ -107,11 +116,13 @@ class DecodeGraphs:
         self.seq_lens[:bs].copy_(dev[3])
         tables = pad_block_tables(step.block_tables)  # [b, width]
         width = tables.shape[1]
-        staged_tables = self.host_tables[:b, :width]
+        staged_tables = self.host_tables[self._turn][:b, :width]
         staged_tables.copy_(torch.from_numpy(tables))
         self.block_tables[:b, :width].copy_(staged_tables, non_blocking=True)
         if bs > b:
             self.block_tables[b:bs, :1].zero_()
+        if patch is not None:
+            patch(self.input_ids[:bs])
         graph, out = self.graphs[bs]
         graph.replay()
         return out[:b]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import dataclass, field
 
 from batchgen.config import EngineConfig
 from batchgen.engine.block_manager import BlockManager
@@ -12,14 +13,27 @@ from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.request import Request, ScoreAccumulator, sample_seed
 from batchgen.engine.sampler import SamplingBatch
 from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.scheduler_output import SchedulerOutput
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.stats import EngineStats
+from batchgen.engine.step_handle import StepHandle
 from batchgen.models.config import ModelConfig
 from batchgen.models.tokenizer import Tokenizer
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams, SamplingParamsError
 
 _SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+@dataclass
+class _Launched:
+    """A step on the device: its handle, its schedule, and the placeholders advance() left
+    ((sample row, sequence, index in token_ids) per sampling sequence)."""
+
+    handle: StepHandle
+    output: SchedulerOutput
+    placeholders: list[tuple[int, Sequence, int]]
+    epochs: list[int] = field(default_factory=list)  # per row: seq.num_preemptions at launch
 
 
 class LLMEngine:
@@ -64,6 +78,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._requests: dict[str, Request] = {}
         self._ready: list[RequestOutput] = []  # rejected at add time, returned by the next step
+        self._inflight: _Launched | None = None  # launched, not yet resolved (async scheduling)
 
     # ---- requests in ---------------------------------------------------------------------
     def add_request(
@@ -217,41 +232,91 @@ class LLMEngine:
         return len(self._requests)
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return the requests that finished (including rejected ones)."""
+        """Run one batch; return the requests that finished (including rejected ones).
+
+        With async scheduling (the default) a step is launched on the device and the step
+        before it is then resolved while it runs: its sampled tokens are read, stop conditions
+        checked and finished requests returned. A sequence that met a stop token is thus
+        scheduled once more; that extra token is dropped. Outputs are identical either way.
+        """
         finished_outputs, self._ready = self._ready, []
         if not self.scheduler.has_unfinished():
+            if self._inflight is not None:
+                finished_outputs += self._resolve(self._pop_inflight())
             return finished_outputs
         out = self.scheduler.schedule()
         for seq in out.preempted:
             if seq.is_score:
                 self._requests[seq.request_id].scores[seq.sample_index] = ScoreAccumulator()
+        if self._inflight is not None and self._needs_history(out):
+            # Penalties read the token history on the host: settle the step in flight first,
+            # and drop from this step the sequences that settling finished.
+            finished_outputs += self._resolve(self._pop_inflight())
+            out.scheduled = [item for item in out.scheduled if not item.seq.is_finished]
+            if not out.scheduled:
+                return finished_outputs
         sampling = self._sampling_batch(out.scheduled)
-        tokens, logprobs, scores = self.runner.execute(out.scheduled, sampling)
-        sample_seqs = [s.seq for s in out.scheduled if s.samples]
-        sampled = {seq.seq_id: tok for seq, tok in zip(sample_seqs, tokens)}
-        for row, logprob, is_argmax in scores:
-            seq = out.scheduled[row].seq
-            self._requests[seq.request_id].scores[seq.sample_index].add(logprob, is_argmax)
-        self.stats.num_scored_tokens += len(scores)
-        self.stats.num_generated_tokens += len(tokens)
+        handle = self.runner.launch(out.scheduled, sampling, self._inflight_handle())
+        launched = _Launched(handle, out, self.scheduler.advance(out))
+        launched.epochs = [s.seq.num_preemptions for s in out.scheduled]
         self.stats.num_steps += 1
-        done = self.scheduler.postprocess(out, sampled)
-        for i, seq in enumerate(sample_seqs):
+        if self._inflight is not None:
+            finished_outputs += self._resolve(self._pop_inflight())
+        self._inflight = launched
+        if not self.config.async_scheduling:
+            finished_outputs += self._resolve(self._pop_inflight())
+        return finished_outputs
+
+    def _inflight_handle(self):
+        return self._inflight.handle if self._inflight is not None else None
+
+    def _pop_inflight(self) -> _Launched:
+        launched, self._inflight = self._inflight, None
+        return launched
+
+    @staticmethod
+    def _needs_history(out: SchedulerOutput) -> bool:
+        for item in out.scheduled:
+            p = item.seq.params
+            if item.samples and (
+                p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+            ):
+                return True
+        return False
+
+    def _resolve(self, launched: _Launched) -> list[RequestOutput]:
+        """Read a launched step's results into its sequences; return requests now complete."""
+        tokens, logprobs, scores = launched.handle.result()
+        scheduled = launched.output.scheduled
+        for row, logprob, is_argmax in scores:
+            seq = scheduled[row].seq
+            if seq.num_preemptions != launched.epochs[row]:
+                continue  # preempted since: its positions are computed (and scored) again
+            self._requests[seq.request_id].scores[seq.sample_index].add(logprob, is_argmax)
+            self.stats.num_scored_tokens += 1
+        for i, seq, index in launched.placeholders:
+            token = tokens[i]
+            if not self.scheduler.resolve_token(seq, index, token):
+                continue  # the sequence stopped at an earlier token
+            self.stats.num_generated_tokens += 1
             request = self._requests[seq.request_id]
             if logprobs is not None and seq.seq_id in request.logprobs:
                 request.logprobs[seq.seq_id].append(logprobs[i])
             checker = request.stop_checkers.get(seq.seq_id)
-            if checker is not None and checker.add(sampled[seq.seq_id]) and not seq.is_finished:
-                self.scheduler.finish(seq, "stop")
-                done.append(seq)
+            if checker is not None and checker.add(token):
+                self.scheduler.stop_at(seq, index, "stop")
         self.stats.num_preemptions = self.scheduler.num_preemptions
-        for seq in done:
+        outputs: list[RequestOutput] = []
+        for item in scheduled:
+            item.seq.num_inflight -= 1
+        for item in scheduled:
+            seq = item.seq
             request = self._requests.get(seq.request_id)
-            if request is not None and request.finished():
+            if request is not None and request.finished() and request.settled():
                 self.stats.num_cached_tokens += sum(s.num_cached_tokens for s in request.seqs)
-                finished_outputs.append(request.output(self._decode))
+                outputs.append(request.output(self._decode))
                 del self._requests[seq.request_id]
-        return finished_outputs
+        return outputs
 
     def _sampling_batch(self, scheduled) -> SamplingBatch:
         """Per sampling sequence: params, random-stream key and token index; token histories

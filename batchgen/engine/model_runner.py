@@ -9,8 +9,10 @@ import torch
 
 from batchgen.config import ConfigError, EngineConfig
 from batchgen.engine.cuda_graph import DecodeGraphs
+from batchgen.engine.host_to_device import to_device
 from batchgen.engine.sampler import Sampler, SamplingBatch
 from batchgen.engine.scheduler_output import ScheduledSequence
+from batchgen.engine.step_handle import StepHandle
 from batchgen.engine.step_inputs import StepInputs, build_step_inputs, pad_block_tables
 from batchgen.kernels import ops
 from batchgen.layers.context import AttentionContext
@@ -125,15 +127,16 @@ class ModelRunner:
         return max(0, budget // self.block_bytes())
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        return to_device(values, dtype, self.device)
 
     def _context(self, step: StepInputs) -> AttentionContext:
         tables = torch.from_numpy(pad_block_tables(step.block_tables))  # [B, max_blocks]
         if self.device.type == "cuda":
             tables = tables.pin_memory().to(self.device, non_blocking=True)
+        d = step.num_decode_rows
+        prefill_cu = None
+        if 0 < d < len(step.seq_lens):  # mixed: decode rows, then chunks rebased to offset 0
+            prefill_cu = self._tensor([c - d for c in step.cu_seqlens_q[d:]], torch.int32)
         return AttentionContext(
             cu_seqlens_q=self._tensor(step.cu_seqlens_q, torch.int32),
             seq_lens=self._tensor(step.seq_lens, torch.int32),
@@ -143,43 +146,77 @@ class ModelRunner:
             block_tables=tables,
             kv_caches=self.kv_caches,
             is_decode=step.is_decode,
+            num_decode_rows=d if prefill_cu is not None else 0,
+            prefill_cu_seqlens_q=prefill_cu,
         )
 
     @torch.inference_mode()
     def execute(
         self, scheduled: list[ScheduledSequence], sampling: SamplingBatch
     ) -> tuple[list[int], list[dict[int, float]] | None, list[tuple[int, float, bool]]]:
-        """Run one step.
+        """Run one step and wait for it (see StepHandle.result for what comes back)."""
+        return self.launch(scheduled, sampling).result()
 
-        Returns:
-            tokens: one sampled token per sampling sequence (batch order).
-            logprobs: per sampling sequence {token: logprob} when any asked, else None.
-            scores: (batch row, log-prob of the candidate token, whether it was the argmax)
-                for every scored position, in order.
+    @torch.inference_mode()
+    def launch(
+        self,
+        scheduled: list[ScheduledSequence],
+        sampling: SamplingBatch,
+        previous: StepHandle | None = None,
+    ) -> StepHandle:
+        """Enqueue one step on the device and return at once; `result()` waits for it.
+
+        `previous` is the step still in flight: its sampled tokens, which this step's decode
+        rows may take as input (PENDING_TOKEN in their token_ids), are read on the device.
         """
         step = build_step_inputs(scheduled, self.block_size)
+        patch = None
+        if step.pending_rows:
+            patch = self._pending_patch(step, previous)
         if self.graphs is not None and self.graphs.can_run(step):
-            hidden = self.graphs.run(step)  # [B, H]
+            hidden = self.graphs.run(step, patch)  # [B, H]
         else:
             input_ids = self._tensor(step.input_ids, torch.int64)
+            if patch is not None:
+                patch(input_ids)
             positions = self._tensor(step.positions, torch.int64)
             hidden = self.model(input_ids, positions, self._context(step))  # [T, H]
-        tokens: list[int] = []
-        logprobs = None
+        tokens = raw_logprobs = None
         if step.sample_rows:
             rows = self._tensor(step.sample_rows, torch.int64)
             logits = self.model.compute_logits(hidden[rows]).float()  # [N, V]
-            tokens, logprobs = self.sampler(logits, sampling)
-        return tokens, logprobs, self._score(hidden, step)
+            tokens, raw_logprobs = self.sampler.sample(logits, sampling)
+        sample_ids = [item.seq.seq_id for item in scheduled if item.samples]
+        return StepHandle(
+            tokens,
+            raw_logprobs,
+            sampling.params,
+            {seq_id: i for i, seq_id in enumerate(sample_ids)},
+            *self._score(hidden, step),
+        )
 
-    def _score(self, hidden: torch.Tensor, step: StepInputs) -> list[tuple[int, float, bool]]:
-        results: list[tuple[int, float, bool]] = []
+    def _pending_patch(self, step: StepInputs, previous: StepHandle | None):
+        """A function writing the in-flight step's sampled tokens into input_ids [T]."""
+        if previous is None or previous.tokens is None:
+            raise RuntimeError("a step has pending input tokens but no step in flight")
+        src = [previous.sample_index[seq.seq_id] for seq in step.pending_seqs]
+        idx = self._tensor([step.pending_rows, src], torch.int64)  # [2, P]: row, source
+
+        def patch(input_ids: torch.Tensor) -> None:
+            input_ids[idx[0]] = previous.tokens[idx[1]]
+
+        return patch
+
+    def _score(self, hidden: torch.Tensor, step: StepInputs):
+        """Log-prob and argmax match of every scored position, as device tensors (read on
+        resolve): (owners [n] host list, logprobs [n] float32, matches [n] bool)."""
+        lps, matches = [], []
         for lo in range(0, len(step.score_rows), _SCORE_CHUNK):
             rows = self._tensor(step.score_rows[lo : lo + _SCORE_CHUNK], torch.int64)
             targets = self._tensor(step.score_targets[lo : lo + _SCORE_CHUNK], torch.int64)
             logits = self.model.compute_logits(hidden[rows])  # [n, V], never all positions
-            lp = ops.token_logprobs(logits, targets)  # [n] float32
-            match = logits.argmax(dim=-1) == targets
-            owners = step.score_owner[lo : lo + _SCORE_CHUNK]
-            results.extend(zip(owners, lp.tolist(), match.tolist()))
-        return results
+            lps.append(ops.token_logprobs(logits, targets))  # [n] float32
+            matches.append(logits.argmax(dim=-1) == targets)
+        if not lps:
+            return step.score_owner, None, None
+        return step.score_owner, torch.cat(lps), torch.cat(matches)

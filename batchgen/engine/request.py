@@ -60,6 +60,10 @@ class Request:
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
 
+    def settled(self) -> bool:
+        """No launched step still owes this request tokens or scores."""
+        return all(s.num_inflight == 0 for s in self.seqs)
+
     def output(self, decode) -> RequestOutput:
         """The finished request's RequestOutput; `decode(ids) -> str` decodes a sample once."""
         # Prompt tokens served from the cache when the prompt was first computed (for a score
@@ -83,6 +87,7 @@ class Request:
             )
         outputs = []
         for seq in sorted(self.seqs, key=lambda s: s.sample_index):
+            assert seq.num_known_tokens == seq.num_tokens, f"{seq} still has pending tokens"
             checker = self.stop_checkers.get(seq.seq_id)
             if checker is not None and checker.stop_index is not None:
                 text = checker.final_text()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.engine.host_to_device import to_device
 from batchgen.kernels import ops
 from batchgen.sampling_params import SamplingParams
 
@@ -39,37 +40,47 @@ class Sampler:
         self, logits: torch.Tensor, batch: SamplingBatch
     ) -> tuple[list[int], list[dict[int, float]] | None]:
         """logits: [N, V] (modified in place) -> (token per row, {token: logprob} per row or
-        None)."""
+        None). Waits for the device; the engine uses `sample` and reads the tokens later."""
+        tokens, raw_logprobs = self.sample(logits, batch)
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return token_list, None
+        return token_list, gather_logprobs(raw_logprobs, token_list, batch.params)
+
+    def sample(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits: [N, V] (modified in place) -> (tokens [N] int64 on logits' device, log-softmax
+        [N, V] of the raw logits when any row asked for logprobs, else None). Enqueues work
+        only: no host sync, so the next step can be scheduled while this one runs."""
         logits = logits.float()
+        device = logits.device
         raw_logprobs = None
         if any(p.logprobs is not None for p in batch.params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [N, V], before any processing
         logits = self._apply_penalties(logits, batch)
-        for row, ids in enumerate(batch.suppress_ids):
-            if ids:
-                logits[row, ids] = float("-inf")
+        suppress = [(row, t) for row, ids in enumerate(batch.suppress_ids) for t in ids]
+        if suppress:
+            idx = to_device(suppress, torch.int64, device)  # [S, 2] (row, token id)
+            logits[idx[:, 0], idx[:, 1]] = float("-inf")
         greedy = [p.greedy for p in batch.params]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
-        elif not any(greedy):
-            tokens = self._sample(logits, batch.params, batch.seeds, batch.steps)
-        else:
-            tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-            rows = [i for i, g in enumerate(greedy) if g]
-            idx = torch.tensor(rows, device=logits.device)
-            tokens[idx] = logits[idx].argmax(dim=-1)
-            rows = [i for i, g in enumerate(greedy) if not g]
-            idx = torch.tensor(rows, device=logits.device)
-            tokens[idx] = self._sample(
-                logits[idx],
-                [batch.params[i] for i in rows],
-                [batch.seeds[i] for i in rows],
-                [batch.steps[i] for i in rows],
-            )
-        token_list = tokens.tolist()
-        if raw_logprobs is None:
-            return token_list, None
-        return token_list, _gather_logprobs(raw_logprobs, token_list, batch.params)
+            return logits.argmax(dim=-1), raw_logprobs
+        if not any(greedy):
+            return self._sample(logits, batch.params, batch.seeds, batch.steps), raw_logprobs
+        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=device)
+        rows = [i for i, g in enumerate(greedy) if g]
+        idx = to_device(rows, torch.int64, device)
+        tokens[idx] = logits[idx].argmax(dim=-1)
+        rows = [i for i, g in enumerate(greedy) if not g]
+        idx = to_device(rows, torch.int64, device)
+        tokens[idx] = self._sample(
+            logits[idx],
+            [batch.params[i] for i in rows],
+            [batch.seeds[i] for i in rows],
+            [batch.steps[i] for i in rows],
+        )
+        return tokens, raw_logprobs
 
     def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         rows = [
@@ -107,8 +118,8 @@ class Sampler:
     ) -> torch.Tensor:
         """logits: [M, V] -> [M] tokens, by Gumbel-max over the filtered, tempered logits."""
         device = logits.device
-        temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-        logits = logits.div_(temps)  # [M, V]; in place: the caller's fp32 copy is ours
+        temps = to_device([p.temperature for p in params], torch.float32, device)
+        logits = logits.div_(temps.unsqueeze(1))  # [M, V]; in place: the caller's copy is ours
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
@@ -116,23 +127,21 @@ class Sampler:
             logits = _top_k_top_p(logits, top_k, top_p)
         if any(x > 0 for x in min_p):
             probs = torch.softmax(logits, dim=-1)
-            threshold = torch.tensor(min_p, device=device).unsqueeze(1) * probs.amax(
-                dim=-1, keepdim=True
-            )
+            min_p_t = to_device(min_p, torch.float32, device).unsqueeze(1)
+            threshold = min_p_t * probs.amax(dim=-1, keepdim=True)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
-        seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
-        step_t = torch.tensor(steps, dtype=torch.int64, device=device)
-        return ops.sample_gumbel(logits.contiguous(), seed_t, step_t)
+        keys = to_device([seeds, steps], torch.int64, device)  # [2, M]: seed, step per row
+        return ops.sample_gumbel(logits.contiguous(), keys[0], keys[1])
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Mask everything outside each row's top-k and nucleus (top-p) set with -inf."""
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [M, V]
-    ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
+    ks = to_device([k if k > 0 else vocab for k in top_k], torch.int64, logits.device)
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)  # [1, V]
     drop = ranks >= ks.unsqueeze(1)
-    ps = torch.tensor(top_p, device=logits.device, dtype=logits.dtype).unsqueeze(1)
+    ps = to_device(top_p, logits.dtype, logits.device).unsqueeze(1)
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     # Keep a token while the mass before it is < p (so the top token always stays).
     mass_before = probs.cumsum(dim=-1) - probs
@@ -141,7 +150,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _gather_logprobs(
+def gather_logprobs(
     logprobs: torch.Tensor, tokens: list[int], params: list[SamplingParams]
 ) -> list[dict[int, float]]:
     out: list[dict[int, float]] = []

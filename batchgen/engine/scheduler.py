@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.scheduler_output import ScheduledSequence, SchedulerOutput
-from batchgen.engine.sequence import Sequence, SequenceStatus
+from batchgen.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 
 class AddError(NamedTuple):
@@ -17,14 +17,21 @@ class AddError(NamedTuple):
     message: str
 
 
+# Admission keeps free the blocks running sequences will grow into (their remaining prompt
+# chunks and max_tokens), up to this fraction of the cache: a long-context batch then finishes
+# its decodes without preempting (and recomputing) the prompts admitted last.
+GROWTH_RESERVE_FRACTION = 0.1
+
+
 class Scheduler:
     """Decides, step by step, which sequences compute how many tokens under one token budget.
 
     Each step first serves running sequences, oldest admission first (a decode token or the
     next prefill chunk), preempting the newest running sequences when KV blocks run out; then
     admits waiting sequences in FIFO order while the budget, max_num_seqs and the free blocks
-    allow. Samples 1..n-1 of a request wait for sample 0 to compute its prompt and then share
-    its prompt blocks.
+    allow, keeping back the blocks that running sequences will grow into (up to
+    GROWTH_RESERVE_FRACTION of the cache). Samples 1..n-1 of a request wait for sample 0 to
+    compute its prompt and then share its prompt blocks.
 
     Args:
         block_manager: the KV block pool.
@@ -140,6 +147,8 @@ class Scheduler:
         )
         assert out.num_batched_tokens <= self.max_num_batched_tokens
         assert len(out.scheduled) <= self.max_num_seqs
+        # Single-token rows first (stable): attention runs them through the decode kernel.
+        out.scheduled.sort(key=lambda item: item.num_new_tokens != 1)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:
@@ -170,6 +179,8 @@ class Scheduler:
         """
         bm = self.block_manager
         skipped: list[Sequence] = []  # siblings awaiting their parent; sequences deferred
+        cap = int(GROWTH_RESERVE_FRACTION * bm.num_blocks)
+        reserve = min(sum(self._growth_blocks(seq) for seq in self.running), cap)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             computed = self._reusable_blocks(seq)
@@ -182,8 +193,9 @@ class Scheduler:
                 continue
             num_computed = len(computed) * bm.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
-            if not bm.allocate_slots(seq, num_new, computed):
+            if not bm.allocate_slots(seq, num_new, computed, reserve=reserve):
                 break  # no head-of-line skipping: wait for blocks to free up
+            reserve = min(reserve + self._growth_blocks(seq), cap)
             self.waiting.popleft()
             if next_prefix is not None:
                 pending.add(next_prefix)
@@ -196,6 +208,11 @@ class Scheduler:
             self._add_scheduled(out, seq, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+
+    def _growth_blocks(self, seq: Sequence) -> int:
+        """Blocks seq still needs beyond its table to reach its longest possible KV."""
+        bs = self.block_manager.block_size
+        return max(0, -(-seq.max_kv_tokens // bs) - len(seq.block_table))
 
     def _prefixes_in_prefill(self) -> set[tuple[int, ...]]:
         """Next-block prefixes of running sequences whose cacheable prompt is not computed yet."""
@@ -249,8 +266,68 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- after the model ran -----------------------------------------------------------------
+    def advance(self, output: SchedulerOutput) -> list[tuple[int, Sequence, int]]:
+        """Account for a launched step before its sampled tokens are known (async scheduling).
+
+        Each scheduled sequence still running advances by its computed tokens; a sampling one
+        gets a PENDING_TOKEN placeholder and finishes with "length" now if that token is its
+        last allowed one; a scoring one finishes with "score" once all its tokens are computed.
+        Blocks holding only known tokens go into the prefix cache.
+
+        Returns:
+            (sample row, sequence, index of its placeholder in token_ids) per sampling
+            sequence that advanced; resolve_token fills each placeholder in.
+        """
+        placeholders: list[tuple[int, Sequence, int]] = []
+        row = -1
+        for s in output.scheduled:
+            row += s.samples
+            seq = s.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # finished (stop, abort) after this step was scheduled
+            seq.num_computed_tokens += s.num_new_tokens
+            seq.num_inflight += 1
+            self.block_manager.cache_full_blocks(seq)
+            if s.samples:
+                placeholders.append((row, seq, len(seq.token_ids)))
+                seq.append_token(PENDING_TOKEN)
+                if (
+                    seq.num_output_tokens >= seq.params.max_tokens
+                    or seq.num_tokens >= self.max_model_len
+                ):
+                    self.finish(seq, "length")
+            elif seq.is_score and seq.num_computed_tokens == seq.num_tokens:
+                self.finish(seq, "score")
+        return placeholders
+
+    def resolve_token(self, seq: Sequence, index: int, token: int) -> bool:
+        """Write the sampled token at token_ids[index]; False when it was discarded (the
+        sequence stopped at an earlier token). A stop token (EOS unless ignore_eos, or a stop
+        id, once min_tokens are out) ends the sequence there, dropping any later placeholder."""
+        if index >= len(seq.token_ids):
+            return False
+        seq.token_ids[index] = token
+        params = seq.params
+        num_output = index + 1 - seq.num_prompt_tokens
+        if num_output >= params.min_tokens and (
+            token in params.stop_token_ids
+            or (not params.ignore_eos and token in self.eos_token_ids)
+        ):
+            self.stop_at(seq, index, "stop")
+        elif seq.status is SequenceStatus.RUNNING:
+            self.block_manager.cache_full_blocks(seq)
+        return True
+
+    def stop_at(self, seq: Sequence, index: int, reason: str) -> None:
+        """End seq with token_ids[index] as its last token (tokens after it are dropped)."""
+        del seq.token_ids[index + 1 :]
+        if seq.is_finished:
+            seq.finish_reason = reason  # it had ended later ("length"); this token came first
+        else:
+            self.finish(seq, reason)
+
     def postprocess(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Advance the scheduled sequences by their computed tokens and sampled token.
+        """advance + resolve_token in one go, for a step whose tokens are already known.
 
         Args:
             output: this step's schedule.
@@ -259,33 +336,9 @@ class Scheduler:
         Returns:
             The sequences that finished this step (status FINISHED, blocks freed).
         """
-        finished: list[Sequence] = []
-        for s in output.scheduled:
-            seq = s.seq
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # finished by the engine (abort) after this step was scheduled
-            seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
-            if s.samples:
-                seq.append_token(sampled[seq.seq_id])
-            reason = self._finish_reason(seq, s.samples)
-            if reason is not None:
-                self.finish(seq, reason)
-                finished.append(seq)
-        return finished
-
-    def _finish_reason(self, seq: Sequence, sampled: bool) -> str | None:
-        if seq.is_score:
-            return "score" if seq.num_computed_tokens == seq.num_tokens else None
-        if not sampled:
-            return None
-        params = seq.params
-        token = seq.last_token_id
-        if seq.num_output_tokens >= params.min_tokens and (
-            token in params.stop_token_ids
-            or (not params.ignore_eos and token in self.eos_token_ids)
-        ):
-            return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        live = [s.seq for s in output.scheduled if s.seq.status is SequenceStatus.RUNNING]
+        for _, seq, index in self.advance(output):
+            self.resolve_token(seq, index, sampled[seq.seq_id])
+        for seq in live:
+            seq.num_inflight -= 1
+        return [seq for seq in live if seq.is_finished]

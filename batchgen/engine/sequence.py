@@ -6,6 +6,11 @@ import enum
 
 from batchgen.sampling_params import SamplingParams
 
+# Stands in token_ids for a token sampled by a step still running on the device (async
+# scheduling): the next step reads it from the device, the engine writes it in on resolve.
+# Only the last one or two tokens of a sequence can be pending.
+PENDING_TOKEN = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
@@ -70,6 +75,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None  # "stop" | "length" | "score"
+        # Launched steps that computed part of this sequence and are not resolved yet; its
+        # request is returned only once every sequence is finished and settled (0).
+        self.num_inflight = 0
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +94,14 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Leading tokens whose ids are on the host (all but the trailing pending ones)."""
+        n = len(self.token_ids)
+        while n and self.token_ids[n - 1] == PENDING_TOKEN:
+            n -= 1
+        return n
 
     @property
     def last_token_id(self) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from batchgen.engine.scheduler_output import ScheduledSequence
+from batchgen.engine.sequence import PENDING_TOKEN
 
 
 @dataclass
@@ -21,6 +22,11 @@ class StepInputs:
         sample_rows: flat token index of each sampling sequence's last token, in batch order.
         score_rows / score_targets / score_owner: for scoring sequences, the flat index whose
             logits predict a candidate token, that token, and the owning batch row.
+        num_decode_rows: leading rows with exactly one new token (the scheduler puts them
+            first); attention sends them to the decode kernel.
+        pending_rows / pending_seqs: flat indices whose input token was sampled by the step still
+            in flight (its id is on the device only; input_ids holds PENDING_TOKEN there), and
+            the sequences they belong to.
     """
 
     input_ids: list[int] = field(default_factory=list)
@@ -33,6 +39,9 @@ class StepInputs:
     score_rows: list[int] = field(default_factory=list)
     score_targets: list[int] = field(default_factory=list)
     score_owner: list[int] = field(default_factory=list)
+    num_decode_rows: int = 0
+    pending_rows: list[int] = field(default_factory=list)
+    pending_seqs: list = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
@@ -46,10 +55,17 @@ class StepInputs:
 def build_step_inputs(scheduled: list[ScheduledSequence], block_size: int) -> StepInputs:
     """Gather token ids, positions and cache slots for each scheduled chunk, in batch order."""
     step = StepInputs()
+    step.num_decode_rows = next(
+        (row for row, item in enumerate(scheduled) if item.num_new_tokens != 1), len(scheduled)
+    )
     for row, item in enumerate(scheduled):
         seq, start, end = item.seq, item.start, item.start + item.num_new_tokens
         if item.num_new_tokens == 1 and seq.score_from is None:  # decode: the common case
-            step.input_ids.append(seq.token_ids[start])
+            token = seq.token_ids[start]
+            if token == PENDING_TOKEN:
+                step.pending_rows.append(step.cu_seqlens_q[-1])
+                step.pending_seqs.append(seq)
+            step.input_ids.append(token)
             step.positions.append(start)
             block, offset = divmod(start, block_size)
             step.slot_mapping.append(seq.block_table[block] * block_size + offset)
@@ -61,6 +77,7 @@ def build_step_inputs(scheduled: list[ScheduledSequence], block_size: int) -> St
                 step.sample_rows.append(flat)
             continue
         step.input_ids.extend(seq.token_ids[start:end])
+        assert seq.token_ids[end - 1] != PENDING_TOKEN, f"{seq}: a chunk ends in a pending token"
         step.positions.extend(range(start, end))
         # One range per touched block instead of one Python op per token.
         pos = start

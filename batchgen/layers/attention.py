@@ -29,22 +29,29 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]  # [num_blocks, block_size, Hk, D]
         ops.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
         if ctx.is_decode:
-            return ops.paged_attention_decode(
-                q,
-                k_cache,
-                v_cache,
-                ctx.seq_lens,
-                ctx.block_tables,
-                self.scale,
-                max_seq_len=ctx.max_seqlen_k,
-            )
+            return self._decode(q, k_cache, v_cache, ctx.seq_lens, ctx.block_tables, ctx)
+        d = ctx.num_decode_rows
+        if d == 0:
+            return self._prefill(q, k_cache, v_cache, ctx.cu_seqlens_q, 0, ctx)
+        # Mixed batch: single-token rows [0, d) first, prefill chunks after them.
+        out = torch.empty_like(q)
+        out[:d] = self._decode(q[:d], k_cache, v_cache, ctx.seq_lens[:d], ctx.block_tables[:d], ctx)
+        out[d:] = self._prefill(q[d:], k_cache, v_cache, ctx.prefill_cu_seqlens_q, d, ctx)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, seq_lens, block_tables, ctx) -> torch.Tensor:
+        return ops.paged_attention_decode(
+            q, k_cache, v_cache, seq_lens, block_tables, self.scale, max_seq_len=ctx.max_seqlen_k
+        )
+
+    def _prefill(self, q, k_cache, v_cache, cu_seqlens_q, first_row: int, ctx) -> torch.Tensor:
         return ops.paged_attention(
             q,
             k_cache,
             v_cache,
-            ctx.cu_seqlens_q,
-            ctx.seq_lens,
-            ctx.block_tables,
+            cu_seqlens_q,
+            ctx.seq_lens[first_row:],
+            ctx.block_tables[first_row:],
             self.scale,
             ctx.max_seqlen_q,
         )

@@ -28,6 +28,11 @@ class AttentionContext:
             head_dim]; None runs attention over the new tokens alone (no cache, seq_lens must
             equal the q lengths) — used by plain forwards in tests.
         is_decode: every sequence has exactly one new token (decode kernels, CUDA graphs).
+        num_decode_rows: in a mixed batch, the leading sequences 0 .. num_decode_rows - 1 that
+            have exactly one new token each; attention runs them through the split-KV decode
+            kernel (K/V read once per GQA group) and only the rest through the prefill kernel.
+        prefill_cu_seqlens_q: [B - num_decode_rows + 1] int32, cu_seqlens_q of the remaining
+            rows rebased to 0 (set when num_decode_rows > 0 and rows remain).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -38,6 +43,8 @@ class AttentionContext:
     block_tables: torch.Tensor | None = None
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     is_decode: bool = False
+    num_decode_rows: int = 0
+    prefill_cu_seqlens_q: torch.Tensor | None = None
 
     @classmethod
     def for_prompts(

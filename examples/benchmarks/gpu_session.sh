@@ -2,6 +2,7 @@
 # One call on the GPU machine: GPU tests, kernel timings, then the benchmark workloads.
 # Usage (repo root, on a CUDA box): bash examples/benchmarks/gpu_session.sh [STAGE...]
 # Stages: tests kernels nano-qwen nano-llama shared-prefix summarize score peer-qwen peer-llama
+#         profile-qwen profile-llama
 # Writes logs and JSON under $OUT (default ./out/gpu). Wheels in .whl/ (e.g. polars) are
 # installed to /tmp/site first when present, for machines without them.
 set -uo pipefail
@@ -29,6 +30,10 @@ for stage in $stages; do
       --json "$OUT/nano_qwen_peer.json" ;;
     peer-llama) bench --workload nano --model-preset llama3.1-8b --peer hf \
       --json "$OUT/nano_llama_peer.json" ;;
+    profile-qwen) python3 examples/benchmarks/profile_decode.py qwen3-0.6b 30 \
+      2>&1 | tee "$OUT/profile_qwen.log" ;;
+    profile-llama) python3 examples/benchmarks/profile_decode.py llama3.1-8b 20 \
+      2>&1 | tee "$OUT/profile_llama.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

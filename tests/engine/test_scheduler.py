@@ -6,7 +6,7 @@ import pytest
 
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.scheduler import Scheduler
-from batchgen.engine.sequence import Sequence, SequenceStatus
+from batchgen.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from batchgen.sampling_params import SamplingParams
 
 VOCAB = 100
@@ -33,23 +33,29 @@ class FakeRunner:
         bs = self.bm.block_size
         return seq.block_table[pos // bs], pos % bs
 
-    def step(self, out):
+    def step(self, out, device=None):
+        """device: the step in flight's sampled tokens (seq_id -> token), which stand in for
+        PENDING_TOKEN inputs as they would on a GPU under async scheduling."""
         sampled = {}
         for s in out.scheduled:
             seq = s.seq
+            tokens = seq.token_ids
+            if tokens[s.start] == PENDING_TOKEN:
+                assert s.num_new_tokens == 1 and s.start == seq.num_tokens - 1
+                tokens = tokens[:-1] + [device[seq.seq_id]]
             assert s.start == seq.num_computed_tokens and s.num_new_tokens >= 1
             assert s.start + s.num_new_tokens <= seq.num_tokens
             assert len(seq.block_table) * self.bm.block_size >= s.start + s.num_new_tokens
             for pos in range(s.start):
-                assert self.kv.get(self.slot(seq, pos)) == seq.token_ids[pos], (seq, pos)
+                assert self.kv.get(self.slot(seq, pos)) == tokens[pos], (seq, pos)
             for pos in range(s.start, s.start + s.num_new_tokens):
                 block = self.bm.blocks[self.slot(seq, pos)[0]]
                 # Never write into a shared or prefix-cached block.
                 assert block.ref_count == 1 and block.block_hash is None, (seq, pos, block)
-                self.kv[self.slot(seq, pos)] = seq.token_ids[pos]
+                self.kv[self.slot(seq, pos)] = tokens[pos]
             assert s.samples == (not seq.is_score and s.start + s.num_new_tokens == seq.num_tokens)
             if s.samples:
-                sampled[seq.seq_id] = next_token(seq.token_ids)
+                sampled[seq.seq_id] = next_token(tokens)
         self.steps.append(
             [(s.seq.seq_id, s.start, s.num_new_tokens, s.samples) for s in out.scheduled]
         )
@@ -348,8 +354,17 @@ def test_prefix_cache_hits_across_requests():
     assert_expected([first, *later])
 
 
+def resolve(sched, out, placeholders, sampled):
+    """What the engine does once a launched step's tokens are read (async scheduling)."""
+    for _, seq, index in placeholders:
+        sched.resolve_token(seq, index, sampled[seq.seq_id])
+    for item in out.scheduled:
+        item.seq.num_inflight -= 1
+
+
+@pytest.mark.parametrize("async_steps", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("seed", range(50))
-def test_randomized_invariants(seed):
+def test_randomized_invariants(seed, async_steps):
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8])
     max_model_len = rng.randint(16, 80)
@@ -389,18 +404,29 @@ def test_randomized_invariants(seed):
     accepted = [s for s in seqs if sched.add(s) is None]
     assert accepted
     runner = FakeRunner(sched)
+    inflight = None  # async: (schedule, placeholders, sampled) of the unresolved step
     for _ in range(20_000):
-        if not sched.has_unfinished():
+        if not sched.has_unfinished() and inflight is None:
             break
-        if rng.random() < 0.01:  # occasional abort
+        if rng.random() < 0.01 and sched.has_unfinished():  # occasional abort
             victim = rng.choice(list(sched.running) + list(sched.waiting))
             sched.finish(victim, "abort")
         if not sched.has_unfinished():
-            break
+            if inflight is not None:
+                resolve(sched, *inflight)
+                inflight = None
+            continue
         out = sched.schedule()
         assert out.num_batched_tokens <= sched.max_num_batched_tokens
         assert len(out.scheduled) <= sched.max_num_seqs
-        sched.postprocess(out, runner.step(out))
+        if not async_steps:
+            sched.postprocess(out, runner.step(out))
+        else:
+            sampled = runner.step(out, inflight[2] if inflight else None)
+            launched = (out, sched.advance(out), sampled)
+            if inflight is not None:
+                resolve(sched, *inflight)
+            inflight = launched
         check_invariants(sched, accepted)
     else:
         pytest.fail("hang")
@@ -461,3 +487,25 @@ def test_waiting_sequence_waits_for_a_running_prefill_of_its_prefix():
         assert all(s.seq is a for s in out.scheduled) or a.num_computed_tokens >= 16
         sched.postprocess(out, {s.seq.seq_id: 7 for s in out.scheduled if s.samples})
     assert b.num_cached_tokens == 16
+
+
+def test_admission_keeps_blocks_for_running_growth():
+    # 100 blocks of 4 tokens; the reserve may take up to 10 of them.
+    sched = make_sched(num_blocks=100, block_size=4, budget=400)
+    a = gen(0, [1, 2, 3, 4], max_tokens=37, ignore_eos=True)  # KV up to 40 tokens: 10 blocks
+    assert sched.add(a) is None
+    runner = FakeRunner(sched)
+    sched.postprocess(out := sched.schedule(), runner.step(out))
+    assert len(a.block_table) == 1  # its 4 prompt tokens
+    # b's prompt takes 91 blocks: 99 free, but a, given its block for this step, still grows
+    # into 8 more.
+    b = gen(1, [5] * 364, max_tokens=1)
+    assert sched.add(b) is None
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == [a]
+    sched.postprocess(out, runner.step(out))
+    # Once a is done b is admitted (with nothing running, nothing is held back).
+    while not a.is_finished:
+        sched.postprocess(out := sched.schedule(), runner.step(out))
+    sched.postprocess(out := sched.schedule(), runner.step(out))
+    assert b.is_finished and sched.num_preemptions == 0

@@ -35,6 +35,28 @@ def test_tiny_greedy_gpu_equals_cpu(tiny_model_dir, enforce_eager):
     assert [o.token_ids for o in gpu_s] == [o.token_ids for o in cpu_s]
 
 
+def test_async_scheduling_equals_sync_on_gpu(tiny_model_dir):
+    """Step N+1 launched before step N's tokens are read (CUDA graphs, tokens fed on the
+    device, stop ids met one step late) gives the synchronous engine's tokens."""
+    path = tiny_model_dir("qwen3")
+    batch = prompts(40, seed=1)
+    params = [
+        SamplingParams(max_tokens=40, temperature=1.0, seed=i, stop_token_ids=list(range(100, 140)))
+        if i % 2
+        else SamplingParams(max_tokens=8 + i, temperature=0.0)
+        for i in range(len(batch))
+    ]
+    common = dict(dtype="float32", max_model_len=512, num_kv_blocks=1024, max_num_seqs=16)
+    outs = {
+        mode: LLM(path, device="cuda", async_scheduling=mode, **common).generate(
+            batch, params, use_tqdm=False
+        )
+        for mode in (False, True)
+    }
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+    assert {o.finish_reason for o in outs[True]} == {"stop", "length"}
+
+
 def test_llama31_8b_shape_bf16_logits_match_transformers():
     """Our bf16 logits are as close to an fp32 reference as transformers' own bf16 logits.
 

@@ -1,0 +1,74 @@
+"""StepHandle: a launched step whose results are still on the device."""
+
+from __future__ import annotations
+
+import torch
+
+from batchgen.engine.sampler import gather_logprobs
+from batchgen.sampling_params import SamplingParams
+
+
+class StepHandle:
+    """What one launched step will produce; `result()` waits for the device and reads it.
+
+    On CUDA the sampled tokens and scores start copying into pinned host memory as soon as
+    they are enqueued, behind the step's kernels, and an event marks the end; the host meanwhile
+    schedules and launches the next step.
+
+    Args:
+        tokens: [N] int64 sampled tokens on the device (None when nothing sampled), in batch
+            order of the sampling sequences; the next step may read them as inputs.
+        raw_logprobs: [N, V] log-softmax of the raw logits, when any row asked for logprobs.
+        params: the N rows' sampling params (how many top logprobs each wants).
+        sample_index: seq_id -> row of `tokens`.
+        score_owner: batch row owning each scored position (host list).
+        score_logprobs / score_matches: [n] float32 / bool per scored position, or None.
+    """
+
+    def __init__(
+        self,
+        tokens: torch.Tensor | None,
+        raw_logprobs: torch.Tensor | None,
+        params: list[SamplingParams],
+        sample_index: dict[int, int],
+        score_owner: list[int],
+        score_logprobs: torch.Tensor | None,
+        score_matches: torch.Tensor | None,
+    ) -> None:
+        self.tokens = tokens
+        self.raw_logprobs = raw_logprobs
+        self.params = params
+        self.sample_index = sample_index
+        self.score_owner = score_owner
+        self._host = [_to_host(t) for t in (tokens, score_logprobs, score_matches)]
+        self._event = None
+        device = next((t.device for t in (tokens, score_logprobs) if t is not None), None)
+        if device is not None and device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(
+        self,
+    ) -> tuple[list[int], list[dict[int, float]] | None, list[tuple[int, float, bool]]]:
+        """Wait for the step. Returns:
+        tokens: one sampled token per sampling sequence (batch order).
+        logprobs: per sampling sequence {token: logprob} when any asked, else None.
+        scores: (batch row, log-prob of the candidate token, whether it was the argmax) for
+            every scored position, in order.
+        """
+        if self._event is not None:
+            self._event.synchronize()
+        tokens, lps, matches = (t.tolist() if t is not None else [] for t in self._host)
+        logprobs = None
+        if self.raw_logprobs is not None:
+            logprobs = gather_logprobs(self.raw_logprobs, tokens, self.params)
+        return tokens, logprobs, list(zip(self.score_owner, lps, matches))
+
+
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Start an asynchronous copy of t into pinned host memory (CPU tensors are returned)."""
+    if t is None or not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
