@@ -21,15 +21,16 @@ def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, seq_lens_ptr, block_tables_ptr, out_ptr, part_acc_ptr, part_lse_ptr,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ob, stride_oh,
-    qk_scale,
+    qk_scale, NUM_SPLITS,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # Grid (B, Hk, NUM_SPLITS): the GROUP q heads of kv head `kvh` of sequence b, packed as the
     # rows of one [BLOCK_G, D] tile so each K/V tile is read once for the group, over one split
     # of the keys. NUM_SPLITS == 1 writes the output; otherwise a normalised partial and its
     # log2-sum-exp go to part_acc [B, Hq, S, D] / part_lse [B, Hq, S] for the reduce kernel.
+    # NUM_SPLITS is a runtime value: the split count varies with the batch, and a compile per
+    # count would land in the middle of a run.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -90,9 +91,8 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_acc_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
-    HQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    part_acc_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, NUM_SPLITS,
+    HQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     # Grid (B, Hq): combine the NUM_SPLITS partials of one (sequence, q head).
     b = tl.program_id(0).to(tl.int64)
@@ -234,16 +234,16 @@ def launch_decode(
         q, k_cache, v_cache, seq_lens, block_tables, out, part_acc, part_lse,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
-        scale * _LOG2E,
+        scale * _LOG2E, num_splits,
         GROUP=group, BLOCK_G=max(16, pow2(group)), HEAD_DIM=D, BLOCK_D=pow2(D),
-        BLOCK_N=block_n, PAGE_SIZE=bs, NUM_SPLITS=num_splits,
+        BLOCK_N=block_n, PAGE_SIZE=bs,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(B, HQ)](
-            part_acc, part_lse, out, out.stride(0), out.stride(1),
-            HQ=HQ, HEAD_DIM=D, BLOCK_D=pow2(D), NUM_SPLITS=num_splits, BLOCK_S=pow2(num_splits),
+            part_acc, part_lse, out, out.stride(0), out.stride(1), num_splits,
+            HQ=HQ, HEAD_DIM=D, BLOCK_D=pow2(D), BLOCK_S=pow2(max(num_splits, _MAX_SPLITS)),
             num_warps=4 if D >= 128 else 2,
         )  # fmt: skip
     return out

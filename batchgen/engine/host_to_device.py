@@ -1,9 +1,11 @@
-"""Host lists to device tensors without a stream sync (async scheduling depends on it).
+"""Host lists to device tensors, and device results back to the host, without stream syncs.
 
 `torch.tensor(values, device="cuda")` copies from pageable memory and then waits for the
 stream, which would stall the host until the step in flight finishes. Staging through pinned
-memory makes the copy asynchronous; the caching host allocator keeps the pinned block alive
-until the copy has run.
+memory makes copies asynchronous, but allocating pinned memory (cudaHostAlloc) is itself
+implicitly synchronizing, and batch shapes change every step while prompts are admitted. So
+the runner stages through a PinnedStager: pinned buffers allocated once, grown rarely, and
+reused in turn.
 """
 
 from __future__ import annotations
@@ -12,8 +14,60 @@ import torch
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """values (list or numpy array) -> tensor of dtype on device, asynchronously on CUDA."""
+    """values (list or numpy array) -> tensor of dtype on device; for code outside a runner
+    step (tests, start-up), staged through freshly pinned memory on CUDA."""
     t = torch.as_tensor(values, dtype=dtype)
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+class PinnedStager:
+    """Pinned host buffers for one engine's steps, in two sets used by alternate steps.
+
+    Step N stages its inputs (and reads its results back) through set N % 2. The engine has
+    waited for step N (its copies included) before it launches step N + 2, the next user of
+    that set, so no buffer is overwritten while a copy from it may still be pending.
+
+    Args:
+        device: the runner's device; on CPU, values become CPU tensors and nothing is staged.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._sets: list[list[torch.Tensor]] = [[], []]  # per set: uint8 pinned buffers
+        self._turn = 0
+        self._next = 0
+
+    def begin_step(self) -> None:
+        """Switch to the other buffer set; call once at the start of each launched step."""
+        self._turn ^= 1
+        self._next = 0
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        buffers = self._sets[self._turn]
+        if self._next == len(buffers):
+            buffers.append(torch.empty(0, dtype=torch.uint8))
+        if buffers[self._next].numel() < nbytes:
+            size = max(4096, 1 << (nbytes - 1).bit_length())  # grow by powers of two: rarely
+            buffers[self._next] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        buf = buffers[self._next]
+        self._next += 1
+        return buf[:nbytes]
+
+    def to_device(self, values, dtype: torch.dtype, device: torch.device | None = None):
+        """values (list, nested list or numpy array) -> tensor of dtype on the device."""
+        t = torch.as_tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return t
+        staged = self._buffer(t.numel() * t.element_size()).view(dtype).view(t.shape)
+        staged.copy_(t)
+        return staged.to(self.device, non_blocking=True)
+
+    def to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """Start copying a device tensor into a pinned buffer; read it after the step's event."""
+        if t is None or not t.is_cuda:
+            return t
+        host = self._buffer(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+        host.copy_(t, non_blocking=True)
+        return host

@@ -9,7 +9,7 @@ import torch
 
 from batchgen.config import ConfigError, EngineConfig
 from batchgen.engine.cuda_graph import DecodeGraphs
-from batchgen.engine.host_to_device import to_device
+from batchgen.engine.host_to_device import PinnedStager
 from batchgen.engine.sampler import Sampler, SamplingBatch
 from batchgen.engine.scheduler_output import ScheduledSequence
 from batchgen.engine.step_handle import StepHandle
@@ -56,7 +56,8 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         self.block_size = self.config.block_size
         self.max_model_len = max_model_len
-        self.sampler = Sampler()
+        self.stager = PinnedStager(self.device)
+        self.sampler = Sampler(self.stager.to_device)
         self.num_kv_blocks = self._num_kv_blocks()
         if self.num_kv_blocks * self.block_size < max_model_len:
             raise ConfigError(
@@ -127,12 +128,10 @@ class ModelRunner:
         return max(0, budget // self.block_bytes())
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return to_device(values, dtype, self.device)
+        return self.stager.to_device(values, dtype)
 
     def _context(self, step: StepInputs) -> AttentionContext:
-        tables = torch.from_numpy(pad_block_tables(step.block_tables))  # [B, max_blocks]
-        if self.device.type == "cuda":
-            tables = tables.pin_memory().to(self.device, non_blocking=True)
+        tables = self._tensor(pad_block_tables(step.block_tables), torch.int32)  # [B, max_blocks]
         d = step.num_decode_rows
         prefill_cu = None
         if 0 < d < len(step.seq_lens):  # mixed: decode rows, then chunks rebased to offset 0
@@ -169,6 +168,7 @@ class ModelRunner:
         `previous` is the step still in flight: its sampled tokens, which this step's decode
         rows may take as input (PENDING_TOKEN in their token_ids), are read on the device.
         """
+        self.stager.begin_step()
         step = build_step_inputs(scheduled, self.block_size)
         patch = None
         if step.pending_rows:
@@ -188,6 +188,7 @@ class ModelRunner:
             tokens, raw_logprobs = self.sampler.sample(logits, sampling)
         sample_ids = [item.seq.seq_id for item in scheduled if item.samples]
         return StepHandle(
+            self.stager,
             tokens,
             raw_logprobs,
             sampling.params,

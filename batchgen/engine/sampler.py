@@ -34,7 +34,14 @@ class SamplingBatch:
 
 
 class Sampler:
-    """Turns fp32 logits [N, V] into one token per row, plus optional top-k log-probs."""
+    """Turns fp32 logits [N, V] into one token per row, plus optional top-k log-probs.
+
+    Args:
+        stage: (values, dtype, device) -> device tensor; the runner passes its PinnedStager's.
+    """
+
+    def __init__(self, stage=to_device) -> None:
+        self.stage = stage
 
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch
@@ -61,7 +68,7 @@ class Sampler:
         logits = self._apply_penalties(logits, batch)
         suppress = [(row, t) for row, ids in enumerate(batch.suppress_ids) for t in ids]
         if suppress:
-            idx = to_device(suppress, torch.int64, device)  # [S, 2] (row, token id)
+            idx = self.stage(suppress, torch.int64, device)  # [S, 2] (row, token id)
             logits[idx[:, 0], idx[:, 1]] = float("-inf")
         greedy = [p.greedy for p in batch.params]
         if all(greedy):
@@ -70,10 +77,10 @@ class Sampler:
             return self._sample(logits, batch.params, batch.seeds, batch.steps), raw_logprobs
         tokens = torch.empty(logits.shape[0], dtype=torch.long, device=device)
         rows = [i for i, g in enumerate(greedy) if g]
-        idx = to_device(rows, torch.int64, device)
+        idx = self.stage(rows, torch.int64, device)
         tokens[idx] = logits[idx].argmax(dim=-1)
         rows = [i for i, g in enumerate(greedy) if not g]
-        idx = to_device(rows, torch.int64, device)
+        idx = self.stage(rows, torch.int64, device)
         tokens[idx] = self._sample(
             logits[idx],
             [batch.params[i] for i in rows],
@@ -118,30 +125,32 @@ class Sampler:
     ) -> torch.Tensor:
         """logits: [M, V] -> [M] tokens, by Gumbel-max over the filtered, tempered logits."""
         device = logits.device
-        temps = to_device([p.temperature for p in params], torch.float32, device)
+        temps = self.stage([p.temperature for p in params], torch.float32, device)
         logits = logits.div_(temps.unsqueeze(1))  # [M, V]; in place: the caller's copy is ours
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
         if any(k > 0 for k in top_k) or any(x < 1.0 for x in top_p):
-            logits = _top_k_top_p(logits, top_k, top_p)
+            logits = _top_k_top_p(logits, top_k, top_p, self.stage)
         if any(x > 0 for x in min_p):
             probs = torch.softmax(logits, dim=-1)
-            min_p_t = to_device(min_p, torch.float32, device).unsqueeze(1)
+            min_p_t = self.stage(min_p, torch.float32, device).unsqueeze(1)
             threshold = min_p_t * probs.amax(dim=-1, keepdim=True)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
-        keys = to_device([seeds, steps], torch.int64, device)  # [2, M]: seed, step per row
+        keys = self.stage([seeds, steps], torch.int64, device)  # [2, M]: seed, step per row
         return ops.sample_gumbel(logits.contiguous(), keys[0], keys[1])
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+def _top_k_top_p(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float], stage=to_device
+) -> torch.Tensor:
     """Mask everything outside each row's top-k and nucleus (top-p) set with -inf."""
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [M, V]
-    ks = to_device([k if k > 0 else vocab for k in top_k], torch.int64, logits.device)
+    ks = stage([k if k > 0 else vocab for k in top_k], torch.int64, logits.device)
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)  # [1, V]
     drop = ranks >= ks.unsqueeze(1)
-    ps = to_device(top_p, logits.dtype, logits.device).unsqueeze(1)
+    ps = stage(top_p, logits.dtype, logits.device).unsqueeze(1)
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     # Keep a token while the mass before it is < p (so the top token always stays).
     mass_before = probs.cumsum(dim=-1) - probs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from batchgen.engine.host_to_device import PinnedStager
 from batchgen.engine.sampler import gather_logprobs
 from batchgen.sampling_params import SamplingParams
 
@@ -16,6 +17,7 @@ class StepHandle:
     schedules and launches the next step.
 
     Args:
+        stager: the runner's PinnedStager (the results are read back through it).
         tokens: [N] int64 sampled tokens on the device (None when nothing sampled), in batch
             order of the sampling sequences; the next step may read them as inputs.
         raw_logprobs: [N, V] log-softmax of the raw logits, when any row asked for logprobs.
@@ -27,6 +29,7 @@ class StepHandle:
 
     def __init__(
         self,
+        stager: PinnedStager,
         tokens: torch.Tensor | None,
         raw_logprobs: torch.Tensor | None,
         params: list[SamplingParams],
@@ -40,7 +43,7 @@ class StepHandle:
         self.params = params
         self.sample_index = sample_index
         self.score_owner = score_owner
-        self._host = [_to_host(t) for t in (tokens, score_logprobs, score_matches)]
+        self._host = [stager.to_host(t) for t in (tokens, score_logprobs, score_matches)]
         self._event = None
         device = next((t.device for t in (tokens, score_logprobs) if t is not None), None)
         if device is not None and device.type == "cuda":
@@ -63,12 +66,3 @@ class StepHandle:
         if self.raw_logprobs is not None:
             logprobs = gather_logprobs(self.raw_logprobs, tokens, self.params)
         return tokens, logprobs, list(zip(self.score_owner, lps, matches))
-
-
-def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
-    """Start an asynchronous copy of t into pinned host memory (CPU tensors are returned)."""
-    if t is None or not t.is_cuda:
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
