@@ -14,6 +14,8 @@ _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 32
 # A split should cover at least this many keys, or the reduce costs more than it saves.
 _MIN_KEYS_PER_SPLIT = 256
+# Launch order of the split kernel's programs: kv heads of one sequence side by side.
+HEADS_FIRST = True
 
 
 @triton.jit
@@ -24,15 +26,24 @@ def _decode_split_kernel(
     qk_scale, NUM_SPLITS,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):  # fmt: skip
-    # Grid (B, Hk, NUM_SPLITS): the GROUP q heads of kv head `kvh` of sequence b, packed as the
+    # Grid (B, Hk, NUM_SPLITS), or (Hk, B, NUM_SPLITS) with HEADS_FIRST so that programs
+    # running side by side read the neighbouring kv heads of the same cache slots (a slot holds
+    # all Hk heads contiguously). The GROUP q heads of kv head `kvh` of sequence b, packed as the
     # rows of one [BLOCK_G, D] tile so each K/V tile is read once for the group, over one split
     # of the keys. NUM_SPLITS == 1 writes the output; otherwise a normalised partial and its
     # log2-sum-exp go to part_acc [B, Hq, S, D] / part_lse [B, Hq, S] for the reduce kernel.
     # NUM_SPLITS is a runtime value: the split count varies with the batch, and a compile per
     # count would land in the middle of a run.
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FIRST:
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+        num_kv_heads = tl.num_programs(0)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
@@ -83,7 +94,7 @@ def _decode_split_kernel(
         nonempty = l_i > 0
         acc = acc / tl.where(nonempty, l_i, 1.0)[:, None]
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        row = (b.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+        row = (b.to(tl.int64) * (num_kv_heads * GROUP) + heads) * NUM_SPLITS + split
         a_ptrs = part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(a_ptrs, acc, mask=q_mask)
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
@@ -215,7 +226,17 @@ def _tiles() -> tuple[int, int, int]:
 
 
 def launch_decode(
-    q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, block_n, num_warps, num_stages
+    q,
+    k_cache,
+    v_cache,
+    seq_lens,
+    block_tables,
+    scale,
+    num_splits,
+    block_n,
+    num_warps,
+    num_stages,
+    heads_first: bool = HEADS_FIRST,
 ) -> torch.Tensor:
     """Launch the split and reduce kernels on checked arguments with explicit tiles (tests,
     benchmarks); paged_attention_decode is the entry point."""
@@ -230,14 +251,15 @@ def launch_decode(
         part_lse = torch.empty((B, HQ, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_lse = out
-    _decode_split_kernel[(B, HK, num_splits)](
+    grid = (HK, B, num_splits) if heads_first else (B, HK, num_splits)
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, seq_lens, block_tables, out, part_acc, part_lse,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         scale * _LOG2E, num_splits,
         GROUP=group, BLOCK_G=max(16, pow2(group)), HEAD_DIM=D, BLOCK_D=pow2(D),
         BLOCK_N=block_n, PAGE_SIZE=bs,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEADS_FIRST=heads_first,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:

@@ -38,7 +38,12 @@ from batchgen.config import ConfigError, EngineConfig
     default=None,
     help="Cap every output length (smoke runs); the default keeps the recipe's lengths.",
 )
-@click.option("--warmup", default=4, show_default=True, help="Warm-up requests before timing.")
+@click.option(
+    "--warmup",
+    default=16,
+    show_default=True,
+    help="Warm-up requests before timing (look-alikes of the first ones; 16 reach a mixed step).",
+)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option(
     "--dtype",

@@ -97,7 +97,7 @@ def drain(engine: LLMEngine) -> int:
     return errors
 
 
-def run_engine(bench: Bench, w: Workload, warmup: int = 4, **overrides: Any) -> RunResult:
+def run_engine(bench: Bench, w: Workload, warmup: int = 16, **overrides: Any) -> RunResult:
     """Warm up with `warmup` look-alike requests, then time `w` on a fresh engine."""
     engine = bench.engine(**overrides)
     if warmup:

@@ -33,7 +33,7 @@ class BenchOptions:
     peer_repeat: int = 1
     num_prompts: int | None = None
     max_output_tokens: int | None = None
-    warmup: int = 4
+    warmup: int = 16
 
 
 def _model_config(opts: BenchOptions) -> ModelConfig:

@@ -17,6 +17,7 @@ import torch
 import triton
 from batchgen.kernels.activation import silu_and_mul, silu_and_mul_ref
 from batchgen.kernels.decode_attention import (
+    choose_num_splits,
     launch_decode,
     paged_attention_decode,
     paged_attention_decode_ref,
@@ -195,6 +196,12 @@ def bench_decode(tune: bool):
                lambda a=args: paged_attention_decode_ref(*a, 128**-0.5), nbytes=nbytes)  # fmt: skip
         if not tune:
             continue
+        splits = choose_num_splits(b, hk, ctx, q.device)
+        for heads_first in (True, False):
+            fn = lambda a=args, s=splits, h=heads_first: launch_decode(  # noqa: E731
+                *a, 128**-0.5, s, 64, 4, 3, h
+            )
+            record(f"  default tiles, heads_first={heads_first}", fn, nbytes=nbytes)
         for splits in (1, 4, 16):
             for block_n, warps, stages in [(32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4),
                                            (64, 8, 3), (128, 4, 2), (128, 8, 3)]:  # fmt: skip
