@@ -136,13 +136,20 @@ def paged_attention_decode(
     return _decode.paged_attention_decode(*args)
 
 
-def sample_gumbel(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """One token per row of processed logits [B, V] by Gumbel-max with noise keyed on each
-    request's (seed, step) [B] int64; returns [B] int64, identical on CPU and GPU."""
-    logits = logits.float()
+def sample_gumbel(
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    temperatures: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One token per row of logits [B, V] by Gumbel-max with noise keyed on each request's
+    (seed, step) [B] int64, after dividing each row by temperatures [B] (float32) when given;
+    returns [B] int64, identical on CPU and GPU."""
     if not (HAS_TRITON and logits.is_cuda):
-        return _sampling.gumbel_argmax_ref(logits, seeds, steps)
-    return _sampling.gumbel_argmax(logits.contiguous(), seeds, steps)
+        return _sampling.gumbel_argmax_ref(logits, seeds, steps, temperatures)
+    if temperatures is None or logits.dtype not in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return _sampling.gumbel_argmax(logits.contiguous(), seeds, steps, temperatures)
 
 
 def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x7FEB352D, 0x846CA68B
 _GOLDEN, _K2 = 0x9E3779B9, 0x85EBCA6B
 _BLOCK_V = 2048
+_NARROW = (torch.bfloat16, torch.float16)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -66,11 +67,18 @@ def uniform_noise_ref(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int)
 
 
 def gumbel_argmax_ref(
-    logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    temperatures: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference of gumbel_argmax: argmax(logits - log(-log(u))), [B] int64."""
+    """Torch reference of gumbel_argmax: argmax(logits / t - log(-log(u))), [B] int64, the
+    division in float32 (t = 1 when temperatures is None)."""
     u = uniform_noise_ref(seeds, steps, logits.shape[1]).to(logits.device)
-    return torch.argmax(logits.float() - torch.log(-torch.log(u)), dim=-1)
+    x = logits.float()
+    if temperatures is not None:
+        x = x / temperatures.float()[:, None]
+    return torch.argmax(x - torch.log(-torch.log(u)), dim=-1)
 
 
 @triton.jit
@@ -111,18 +119,25 @@ def _uniform_noise_kernel(seeds_ptr, steps_ptr, out_ptr, V, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, out_ptr, stride_row, V,
-                          BLOCK: tl.constexpr):  # fmt: skip
+def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temps_ptr, out_ptr, stride_row, V,
+                          HAS_TEMPS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     # One program per row: running per-lane best (score, index) over V tiles, then the lowest
-    # index among the lanes holding the maximum (torch.argmax's first-occurrence rule).
+    # index among the lanes holding the maximum (torch.argmax's first-occurrence rule). Logits
+    # of any float dtype are widened to float32 and divided by the row's temperature here,
+    # sparing the sampler two passes over [B, V].
     row = tl.program_id(0).to(tl.int64)
     k1, k2 = _row_keys(seeds_ptr, steps_ptr, row)
+    if HAS_TEMPS:
+        temp = tl.load(temps_ptr + row)
     best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     best_idx = tl.arange(0, BLOCK)
     for start in range(0, V, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         mask = idx < V
         x = tl.load(logits_ptr + row * stride_row + idx, mask=mask, other=float("-inf"))
+        x = x.to(tl.float32)
+        if HAS_TEMPS:
+            x = x / temp
         score = x - tl.log(-tl.log(_uniform(idx, k1, k2)))
         score = tl.where(mask, score, float("-inf"))
         take = score > best
@@ -157,31 +172,50 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
     return out
 
 
-def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+def gumbel_argmax(
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    temperatures: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Sample one token per row by Gumbel-max with counter-based noise, Triton kernel.
 
     Args:
-        logits: [B, V] float32, already temperature-scaled and filtered (-inf allowed); rows
-            contiguous.
+        logits: [B, V] float32, or (with temperatures) bf16/fp16/fp32; filtered entries are
+            -inf; rows contiguous.
         seeds: [B] int64 per-request seeds.
         steps: [B] int64 per-request step counters (the noise of step s is independent of s+1).
+        temperatures: optional [B] float32 (> 0); each row's logits are divided by its own, in
+            float32, inside the kernel. Without it the logits must already be tempered float32.
 
     Returns:
         [B] int64 token ids, the same as gumbel_argmax_ref picks.
     """
     op = "gumbel_argmax"
-    if not (logits.dim() == 2 and logits.dtype == torch.float32):
+    allowed = (torch.float32,) if temperatures is None else (torch.float32, *_NARROW)
+    if not (logits.dim() == 2 and logits.dtype in allowed):
         raise ValueError(
-            f"{op}: logits must be [B, V] float32, got {tuple(logits.shape)} {logits.dtype}"
+            f"{op}: logits must be [B, V] of {allowed}, got {tuple(logits.shape)} {logits.dtype}"
         )
     if logits.stride(1) != 1:
         raise ValueError(f"{op}: logits rows must be contiguous, got strides {logits.stride()}")
     _check_rows(op, seeds, steps, logits.shape[0])
-    check_launchable(op, logits, seeds, steps)
+    if temperatures is not None and not (
+        temperatures.shape == (logits.shape[0],)
+        and temperatures.dtype == torch.float32
+        and temperatures.is_contiguous()
+    ):
+        raise ValueError(
+            f"{op}: temperatures must be [{logits.shape[0]}] float32, got "
+            f"{tuple(temperatures.shape)} {temperatures.dtype}"
+        )
+    extra = () if temperatures is None else (temperatures,)
+    check_launchable(op, logits, seeds, steps, *extra)
     out = torch.empty((logits.shape[0],), dtype=torch.int64, device=logits.device)
     if logits.shape[0]:
         _gumbel_argmax_kernel[(logits.shape[0],)](
-            logits, seeds, steps, out, logits.stride(0), logits.shape[1], BLOCK=_BLOCK_V,
-            num_warps=8,
+            logits, seeds, steps, temperatures if temperatures is not None else seeds, out,
+            logits.stride(0), logits.shape[1], HAS_TEMPS=temperatures is not None,
+            BLOCK=_BLOCK_V, num_warps=8,
         )  # fmt: skip
     return out

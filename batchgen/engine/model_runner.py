@@ -184,7 +184,7 @@ class ModelRunner:
         tokens = raw_logprobs = None
         if step.sample_rows:
             rows = self._tensor(step.sample_rows, torch.int64)
-            logits = self.model.compute_logits(hidden[rows]).float()  # [N, V]
+            logits = self.model.compute_logits(hidden[rows])  # [N, V], the model's dtype
             tokens, raw_logprobs = self.sampler.sample(logits, sampling)
         sample_ids = [item.seq.seq_id for item in scheduled if item.samples]
         return StepHandle(

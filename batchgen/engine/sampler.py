@@ -60,8 +60,13 @@ class Sampler:
         """logits: [N, V] (modified in place) -> (tokens [N] int64 on logits' device, log-softmax
         [N, V] of the raw logits when any row asked for logprobs, else None). Enqueues work
         only: no host sync, so the next step can be scheduled while this one runs."""
-        logits = logits.float()
         device = logits.device
+        if self._plain(batch):
+            # Temperature alone: the kernel reads the model's logits and divides in place.
+            temps = self.stage([p.temperature for p in batch.params], torch.float32, device)
+            keys = self.stage([batch.seeds, batch.steps], torch.int64, device)  # [2, N]
+            return ops.sample_gumbel(logits, keys[0], keys[1], temps), None
+        logits = logits.float()
         raw_logprobs = None
         if any(p.logprobs is not None for p in batch.params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [N, V], before any processing
@@ -88,6 +93,22 @@ class Sampler:
             [batch.steps[i] for i in rows],
         )
         return tokens, raw_logprobs
+
+    @staticmethod
+    def _plain(batch: SamplingBatch) -> bool:
+        """Every row samples with temperature only: no greedy row, filter, penalty,
+        suppressed id or logprobs (the common batch-generation case)."""
+        return not any(batch.suppress_ids) and all(
+            p.temperature > 0
+            and p.top_k <= 0
+            and p.top_p >= 1.0
+            and p.min_p <= 0
+            and p.logprobs is None
+            and p.repetition_penalty == 1.0
+            and not p.presence_penalty
+            and not p.frequency_penalty
+            for p in batch.params
+        )
 
     def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         rows = [

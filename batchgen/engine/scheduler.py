@@ -23,6 +23,10 @@ class AddError(NamedTuple):
 GROWTH_RESERVE_FRACTION = 0.1
 
 
+def _batch_order(item: ScheduledSequence) -> tuple[bool, int]:
+    return (item.num_new_tokens != 1, -item.start if item.num_new_tokens == 1 else 0)
+
+
 class Scheduler:
     """Decides, step by step, which sequences compute how many tokens under one token budget.
 
@@ -147,8 +151,10 @@ class Scheduler:
         )
         assert out.num_batched_tokens <= self.max_num_batched_tokens
         assert len(out.scheduled) <= self.max_num_seqs
-        # Single-token rows first (stable): attention runs them through the decode kernel.
-        out.scheduled.sort(key=lambda item: item.num_new_tokens != 1)
+        # Single-token rows first, attention runs them through the decode kernel; longest
+        # context first among them, so its work queue starts with the biggest units and
+        # finishes evenly (ragged lengths otherwise leave a long sequence running alone).
+        out.scheduled.sort(key=_batch_order)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:

@@ -72,3 +72,15 @@ def test_penalties():
     assert s(logits.clone(), batch(freq, output=[[0]]))[0] == [1]  # 2.0 - 0.2 < 1.9
     pres = [SamplingParams(temperature=0.0, presence_penalty=0.05)]
     assert s(logits.clone(), batch(pres, output=[[0, 0, 0]]))[0] == [0]  # once, not per count
+
+
+def test_temperature_only_batches_take_the_fused_path_with_the_same_draws(monkeypatch):
+    logits = 3 * torch.randn(64, 500, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.2 + 0.05 * i) for i in range(64)]
+    b = batch(params, seeds=list(range(64)), steps=[i % 7 for i in range(64)])
+    assert Sampler._plain(b)
+    fused, _ = Sampler().sample(logits.clone(), b)
+    monkeypatch.setattr(Sampler, "_plain", staticmethod(lambda batch: False))
+    general, _ = Sampler().sample(logits.clone(), b)
+    assert fused.tolist() == general.tolist()
+    assert not Sampler._plain(batch([SamplingParams(temperature=0.5, top_k=5)]))

@@ -89,6 +89,22 @@ def test_gumbel_argmax_matches_ref(device, vocab):
     assert expected[2].item() == vocab - 1 and expected[1].item() % 2 == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gumbel_argmax_divides_by_temperature(device, dtype):
+    seeds, steps = _rows()
+    vocab = 3000
+    logits = 4 * torch.randn(len(SEEDS), vocab, generator=torch.Generator().manual_seed(1))
+    logits = logits.to(dtype)
+    temps = torch.tensor([0.3, 1.0, 0.7, 2.5, 0.05, 1.3, 0.9])
+    got = gumbel_argmax(logits.to(device), seeds.to(device), steps.to(device), temps.to(device))
+    # The sampler's unfused path: widen, divide, then draw.
+    expected = gumbel_argmax_ref(logits.float() / temps[:, None], seeds, steps)
+    assert got.cpu().tolist() == expected.tolist()
+    assert gumbel_argmax_ref(logits, seeds, steps, temps).tolist() == expected.tolist()
+    # Temperature changes the draw somewhere (else this test would not see it).
+    assert expected.tolist() != gumbel_argmax_ref(logits.float(), seeds, steps).tolist()
+
+
 def test_gumbel_argmax_all_masked_row_picks_first(device):
     logits = torch.full((1, 100), float("-inf"))
     got = gumbel_argmax(
