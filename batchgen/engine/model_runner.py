@@ -131,22 +131,30 @@ class ModelRunner:
         return self.stager.to_device(values, dtype)
 
     def _context(self, step: StepInputs) -> AttentionContext:
-        tables = self._tensor(pad_block_tables(step.block_tables), torch.int32)  # [B, max_blocks]
+        tables = pad_block_tables(step.block_tables, multiple=16)  # [B, max_blocks]
         d = step.num_decode_rows
-        prefill_cu = None
-        if 0 < d < len(step.seq_lens):  # mixed: decode rows, then chunks rebased to offset 0
-            prefill_cu = self._tensor([c - d for c in step.cu_seqlens_q[d:]], torch.int32)
+        split = {}
+        if 0 < d < len(step.seq_lens):
+            # Mixed: decode rows [0, d), then chunks with their own (rebased, freshly allocated
+            # and so aligned) metadata; slices at row d would be new kernel specializations.
+            split = dict(
+                num_decode_rows=d,
+                prefill_cu_seqlens_q=self._tensor(
+                    [c - d for c in step.cu_seqlens_q[d:]], torch.int32
+                ),
+                prefill_seq_lens=self._tensor(step.seq_lens[d:], torch.int32),
+                prefill_block_tables=self._tensor(tables[d:], torch.int32),
+            )
         return AttentionContext(
             cu_seqlens_q=self._tensor(step.cu_seqlens_q, torch.int32),
             seq_lens=self._tensor(step.seq_lens, torch.int32),
             max_seqlen_q=step.max_seqlen_q,
             max_seqlen_k=max(step.seq_lens),
             slot_mapping=self._tensor(step.slot_mapping, torch.int64),
-            block_tables=tables,
+            block_tables=self._tensor(tables, torch.int32),
             kv_caches=self.kv_caches,
             is_decode=step.is_decode,
-            num_decode_rows=d if prefill_cu is not None else 0,
-            prefill_cu_seqlens_q=prefill_cu,
+            **split,
         )
 
     @torch.inference_mode()

@@ -32,11 +32,21 @@ class Attention(nn.Module):
             return self._decode(q, k_cache, v_cache, ctx.seq_lens, ctx.block_tables, ctx)
         d = ctx.num_decode_rows
         if d == 0:
-            return self._prefill(q, k_cache, v_cache, ctx.cu_seqlens_q, 0, ctx)
+            return self._prefill(
+                q, k_cache, v_cache, ctx.cu_seqlens_q, ctx.seq_lens, ctx.block_tables, ctx
+            )
         # Mixed batch: single-token rows [0, d) first, prefill chunks after them.
         out = torch.empty_like(q)
         out[:d] = self._decode(q[:d], k_cache, v_cache, ctx.seq_lens[:d], ctx.block_tables[:d], ctx)
-        out[d:] = self._prefill(q[d:], k_cache, v_cache, ctx.prefill_cu_seqlens_q, d, ctx)
+        out[d:] = self._prefill(
+            q[d:],
+            k_cache,
+            v_cache,
+            ctx.prefill_cu_seqlens_q,
+            ctx.prefill_seq_lens,
+            ctx.prefill_block_tables,
+            ctx,
+        )
         return out
 
     def _decode(self, q, k_cache, v_cache, seq_lens, block_tables, ctx) -> torch.Tensor:
@@ -44,14 +54,7 @@ class Attention(nn.Module):
             q, k_cache, v_cache, seq_lens, block_tables, self.scale, max_seq_len=ctx.max_seqlen_k
         )
 
-    def _prefill(self, q, k_cache, v_cache, cu_seqlens_q, first_row: int, ctx) -> torch.Tensor:
+    def _prefill(self, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, ctx):
         return ops.paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            cu_seqlens_q,
-            ctx.seq_lens[first_row:],
-            ctx.block_tables[first_row:],
-            self.scale,
-            ctx.max_seqlen_q,
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, self.scale, ctx.max_seqlen_q
         )

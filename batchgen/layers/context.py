@@ -31,8 +31,9 @@ class AttentionContext:
         num_decode_rows: in a mixed batch, the leading sequences 0 .. num_decode_rows - 1 that
             have exactly one new token each; attention runs them through the split-KV decode
             kernel (K/V read once per GQA group) and only the rest through the prefill kernel.
-        prefill_cu_seqlens_q: [B - num_decode_rows + 1] int32, cu_seqlens_q of the remaining
-            rows rebased to 0 (set when num_decode_rows > 0 and rows remain).
+        prefill_cu_seqlens_q / prefill_seq_lens / prefill_block_tables: cu_seqlens_q (rebased
+            to 0), seq_lens and block_tables of the remaining rows (set when num_decode_rows > 0
+            and rows remain).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -45,6 +46,8 @@ class AttentionContext:
     is_decode: bool = False
     num_decode_rows: int = 0
     prefill_cu_seqlens_q: torch.Tensor | None = None
+    prefill_seq_lens: torch.Tensor | None = None
+    prefill_block_tables: torch.Tensor | None = None
 
     @classmethod
     def for_prompts(
