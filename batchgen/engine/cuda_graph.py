@@ -34,7 +34,8 @@ class DecodeGraphs:
     def __init__(self, model, kv_caches, max_batch: int, max_model_len: int, block_size: int):
         device = kv_caches[0][0].device
         self.sizes = bucket_sizes(max_batch)
-        self.max_blocks = -(-max_model_len // block_size)
+        # A multiple of 16 wide, like the eager path's tables: one kernel variant serves both.
+        self.max_blocks = -(-max_model_len // (block_size * 16)) * 16
         self.max_model_len = max_model_len
         n = max_batch
         # Static inputs, [n] or [n, max_blocks]; a replay reads whatever they hold.

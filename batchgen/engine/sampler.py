@@ -64,8 +64,8 @@ class Sampler:
         if self._plain(batch):
             # Temperature alone: the kernel reads the model's logits and divides in place.
             temps = self.stage([p.temperature for p in batch.params], torch.float32, device)
-            keys = self.stage([batch.seeds, batch.steps], torch.int64, device)  # [2, N]
-            return ops.sample_gumbel(logits, keys[0], keys[1], temps), None
+            seeds, steps = self._keys(batch.seeds, batch.steps, device)
+            return ops.sample_gumbel(logits, seeds, steps, temps), None
         logits = logits.float()
         raw_logprobs = None
         if any(p.logprobs is not None for p in batch.params):
@@ -158,8 +158,17 @@ class Sampler:
             min_p_t = self.stage(min_p, torch.float32, device).unsqueeze(1)
             threshold = min_p_t * probs.amax(dim=-1, keepdim=True)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
-        keys = self.stage([seeds, steps], torch.int64, device)  # [2, M]: seed, step per row
-        return ops.sample_gumbel(logits.contiguous(), keys[0], keys[1])
+        seed_t, step_t = self._keys(seeds, steps, device)
+        return ops.sample_gumbel(logits.contiguous(), seed_t, step_t)
+
+    def _keys(
+        self, seeds: list[int], steps: list[int], device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row seeds and steps [M] int64 from one transfer; rows padded to an even length
+        so both start 16-byte aligned (else Triton builds a kernel variant per parity)."""
+        pad = [0] * (len(seeds) % 2)
+        keys = self.stage([seeds + pad, steps + pad], torch.int64, device)  # [2, M (+1)]
+        return keys[0, : len(seeds)], keys[1, : len(seeds)]
 
 
 def _top_k_top_p(
