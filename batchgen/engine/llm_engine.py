@@ -14,7 +14,7 @@ from batchgen.engine.request import Request, ScoreAccumulator, sample_seed
 from batchgen.engine.sampler import SamplingBatch
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.scheduler_output import SchedulerOutput
-from batchgen.engine.sequence import Sequence
+from batchgen.engine.sequence import Sequence, SequenceStatus
 from batchgen.engine.stats import EngineStats
 from batchgen.engine.step_handle import StepHandle
 from batchgen.models.config import ModelConfig
@@ -33,6 +33,7 @@ class _Launched:
     handle: StepHandle
     output: SchedulerOutput
     placeholders: list[tuple[int, Sequence, int]]
+    advanced: list[Sequence] = field(default_factory=list)  # num_inflight raised for these
     epochs: list[int] = field(default_factory=list)  # per row: seq.num_preemptions at launch
 
 
@@ -257,7 +258,8 @@ class LLMEngine:
                 return finished_outputs
         sampling = self._sampling_batch(out.scheduled)
         handle = self.runner.launch(out.scheduled, sampling, self._inflight_handle())
-        launched = _Launched(handle, out, self.scheduler.advance(out))
+        advanced = [s.seq for s in out.scheduled if s.seq.status is SequenceStatus.RUNNING]
+        launched = _Launched(handle, out, self.scheduler.advance(out), advanced)
         launched.epochs = [s.seq.num_preemptions for s in out.scheduled]
         self.stats.num_steps += 1
         if self._inflight is not None:
@@ -307,8 +309,8 @@ class LLMEngine:
                 self.scheduler.stop_at(seq, index, "stop")
         self.stats.num_preemptions = self.scheduler.num_preemptions
         outputs: list[RequestOutput] = []
-        for item in scheduled:
-            item.seq.num_inflight -= 1
+        for seq in launched.advanced:
+            seq.num_inflight -= 1
         for item in scheduled:
             seq = item.seq
             request = self._requests.get(seq.request_id)
