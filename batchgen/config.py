@@ -29,7 +29,8 @@ class EngineConfig:
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
         enforce_eager: never use CUDA graphs.
         async_scheduling: schedule and launch step N+1 while step N runs on the device, then
-            read step N's tokens (hides the host's per-step work; same outputs either way).
+            read step N's tokens (hides the host's per-step work). Outputs do not depend on it,
+            except where a batch composed differently rounds differently.
         allow_pickle: permit pickle `.bin` checkpoints (loaded with weights_only=True).
         seed: seeds weight-free randomness (the draw of seeds for requests without one).
     """

@@ -238,7 +238,8 @@ class LLMEngine:
         With async scheduling (the default) a step is launched on the device and the step
         before it is then resolved while it runs: its sampled tokens are read, stop conditions
         checked and finished requests returned. A sequence that met a stop token is thus
-        scheduled once more; that extra token is dropped. Outputs are identical either way.
+        scheduled once more; that extra token is dropped. The same tokens come out either way
+        (up to the rounding of a differently composed batch, as with any change of batch).
         """
         finished_outputs, self._ready = self._ready, []
         if not self.scheduler.has_unfinished():
