@@ -109,3 +109,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Repetition, presence or frequency penalty set (they read the token history)."""
+        return self.repetition_penalty != 1.0 or bool(
+            self.presence_penalty or self.frequency_penalty
+        )

@@ -29,9 +29,13 @@ class DecodeGraphs:
         max_batch: largest batch captured (max_num_seqs).
         max_model_len: longest context; sizes the static block table and the decode splits.
         block_size: tokens per KV block.
+        stage: (values, dtype) -> device tensor without a host sync (the runner's
+            PinnedStager.to_device): how each step's inputs reach the static buffers.
     """
 
-    def __init__(self, model, kv_caches, max_batch: int, max_model_len: int, block_size: int):
+    def __init__(
+        self, model, kv_caches, max_batch: int, max_model_len: int, block_size: int, stage
+    ):
         device = kv_caches[0][0].device
         self.sizes = bucket_sizes(max_batch)
         # A multiple of 16 wide, like the eager path's tables: one kernel variant serves both.
@@ -45,14 +49,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
-        # Pinned staging buffers, two sets used in turn: with async scheduling the host fills
-        # step N+1's inputs while step N runs, but step N-1 (the last user of the other set,
-        # copies included) has been waited for by then.
-        self.host_inputs = [torch.zeros(4, n, dtype=torch.int64).pin_memory() for _ in range(2)]
-        self.host_tables = [
-            torch.zeros(n, self.max_blocks, dtype=torch.int32).pin_memory() for _ in range(2)
-        ]
-        self._turn = 0
+        self.stage = stage
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture(model, kv_caches)
 
@@ -107,19 +104,13 @@ class DecodeGraphs:
         host[2, b:] = -1
         host[3, :b] = step.seq_lens
         host[3, b:] = 1
-        self._turn ^= 1
-        staged = self.host_inputs[self._turn][:, :bs]
-        staged.copy_(torch.from_numpy(host))
-        dev = staged.to(self.input_ids.device, non_blocking=True)
+        dev = self.stage(host, torch.int64)  # [4, bs]
         self.input_ids[:bs].copy_(dev[0])
         self.positions[:bs].copy_(dev[1])
         self.slot_mapping[:bs].copy_(dev[2])
         self.seq_lens[:bs].copy_(dev[3])
         tables = pad_block_tables(step.block_tables)  # [b, width]
-        width = tables.shape[1]
-        staged_tables = self.host_tables[self._turn][:b, :width]
-        staged_tables.copy_(torch.from_numpy(tables))
-        self.block_tables[:b, :width].copy_(staged_tables, non_blocking=True)
+        self.block_tables[:b, : tables.shape[1]].copy_(self.stage(tables, torch.int32))
         if bs > b:
             self.block_tables[b:bs, :1].zero_()
         if patch is not None:

@@ -279,13 +279,7 @@ class LLMEngine:
 
     @staticmethod
     def _needs_history(out: SchedulerOutput) -> bool:
-        for item in out.scheduled:
-            p = item.seq.params
-            if item.samples and (
-                p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-            ):
-                return True
-        return False
+        return any(item.samples and item.seq.params.has_penalties for item in out.scheduled)
 
     def _resolve(self, launched: _Launched) -> list[RequestOutput]:
         """Read a launched step's results into its sequences; return requests now complete."""
@@ -330,7 +324,7 @@ class LLMEngine:
         empty: list[int] = []
         prompts, outputs, suppress = [empty] * len(seqs), [empty] * len(seqs), [empty] * len(seqs)
         for i, (seq, p, step) in enumerate(zip(seqs, params, steps)):
-            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            if p.has_penalties:
                 prompts[i], outputs[i] = seq.prompt_token_ids, seq.output_token_ids
             if step < p.min_tokens:
                 suppress[i] = sorted(set(p.stop_token_ids) | self.eos_token_ids)

@@ -88,6 +88,7 @@ class ModelRunner:
                 self.config.max_num_seqs,
                 max_model_len,
                 self.block_size,
+                self.stager.to_device,
             )
 
     def block_bytes(self) -> int:
@@ -156,13 +157,6 @@ class ModelRunner:
             is_decode=step.is_decode,
             **split,
         )
-
-    @torch.inference_mode()
-    def execute(
-        self, scheduled: list[ScheduledSequence], sampling: SamplingBatch
-    ) -> tuple[list[int], list[dict[int, float]] | None, list[tuple[int, float, bool]]]:
-        """Run one step and wait for it (see StepHandle.result for what comes back)."""
-        return self.launch(scheduled, sampling).result()
 
     @torch.inference_mode()
     def launch(

@@ -104,18 +104,12 @@ class Sampler:
             and p.top_p >= 1.0
             and p.min_p <= 0
             and p.logprobs is None
-            and p.repetition_penalty == 1.0
-            and not p.presence_penalty
-            and not p.frequency_penalty
+            and not p.has_penalties
             for p in batch.params
         )
 
     def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        rows = [
-            i
-            for i, p in enumerate(batch.params)
-            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-        ]
+        rows = [i for i, p in enumerate(batch.params) if p.has_penalties]
         for i in rows:
             p = batch.params[i]
             if p.repetition_penalty != 1.0:
