@@ -442,14 +442,7 @@ def test_randomized_invariants(seed, async_steps):
 
 def test_same_step_admissions_sharing_a_prefix_wait_one_step_and_hit_the_cache():
     bs = 4
-    bm = BlockManager(64, bs, enable_prefix_caching=True)
-    sched = Scheduler(
-        bm,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        max_model_len=64,
-        eos_token_ids=frozenset([99]),
-    )
+    sched = make_sched(num_blocks=64, block_size=bs, budget=64, max_model_len=64)
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     shared = list(range(1, 13))  # three full blocks
     a = Sequence(0, "a", shared + [20, 21], params)
@@ -469,14 +462,7 @@ def test_waiting_sequence_waits_for_a_running_prefill_of_its_prefix():
     # Budget 8 tokens per step: `a` computes its 16-token shared prefix over two steps; `b`,
     # which shares it, is held back until the blocks are cached, then computes only its tail.
     bs = 4
-    bm = BlockManager(64, bs, enable_prefix_caching=True)
-    sched = Scheduler(
-        bm,
-        max_num_seqs=8,
-        max_num_batched_tokens=8,
-        max_model_len=64,
-        eos_token_ids=frozenset([99]),
-    )
+    sched = make_sched(num_blocks=64, block_size=bs, budget=8, max_model_len=64)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     shared = list(range(1, 17))
     a = Sequence(0, "a", shared + [20], params)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
 
+from batchgen.engine.stats import EngineStats
 from batchgen.outputs import CompletionOutput, RequestOutput, ScoreOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -64,16 +64,6 @@ def fake_score(prompt_token_ids, candidate_ids, with_tokens=False) -> ScoreOutpu
     )
 
 
-@dataclass
-class FakeStats:
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-    prefix_cache_hit_rate: float = 0.0
-
-
 class FakeEngine:
     """Finishes each request 1-3 steps after it is added (out of order), `max_num_seqs` at a time.
 
@@ -87,7 +77,7 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.step_delay = step_delay
         self.max_num_seqs = max_num_seqs
-        self.stats = FakeStats()
+        self.stats = EngineStats()
         self._waiting: list[tuple[str, list[int], SamplingParams]] = []
         self._running: dict[str, tuple[list[int], SamplingParams, int]] = {}
         self.added: list[str] = []
