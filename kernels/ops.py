@@ -12,6 +12,7 @@ from . import kv_cache as _kv_cache
 from . import logprobs as _logprobs
 from . import paged_attention as _prefill
 from . import rms_norm as _rms_norm
+from . import rope_store as _rope_store
 from . import rotary as _rotary
 from . import sampling as _sampling
 from .launch import HAS_TRITON, KERNEL_DTYPES
@@ -23,6 +24,7 @@ __all__ = [
     "paged_attention",
     "paged_attention_decode",
     "rms_norm",
+    "rope_and_store_kv",
     "rotary_embedding",
     "sample_gumbel",
     "silu_and_mul",
@@ -64,6 +66,29 @@ def rotary_embedding(
     if not use_triton(q):
         return _rotary.rotary_embedding_ref(positions, q, k, cos_sin_cache)
     return _rotary.rotary_embedding(positions, q, k, cos_sin_cache)
+
+
+def rope_and_store_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Split qkv [T, (Hq + 2 Hk) * D], RMS-normalise the q/k heads (when the weights are given),
+    rotate q and k, store k and v at slot_mapping [T] in the [NB, BS, Hk, D] caches; returns q
+    [T, Hq, D]. One kernel on GPU for what rms_norm, rotary_embedding and store_kvcache do."""
+    args = (qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_cache, v_cache,
+            slot_mapping, q_norm_weight, k_norm_weight, eps)  # fmt: skip
+    if not use_triton(qkv):
+        return _rope_store.rope_and_store_kv_ref(*args)
+    return _rope_store.rope_and_store_kv(*args)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -23,11 +23,17 @@ class Attention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq, D]."""
+        """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq, D]: store k/v in the cache (when there is
+        one), then attend."""
         if ctx.kv_caches is None:
             return ops.varlen_attention(q, k, v, ctx.cu_seqlens_q, ctx.max_seqlen_q, self.scale)
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]  # [num_blocks, block_size, Hk, D]
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         ops.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        return self.attend(q, ctx)
+
+    def attend(self, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """q: [T, Hq, D] -> [T, Hq, D] over the paged cache, where this step's k/v are stored."""
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]  # [num_blocks, block_size, Hk, D]
         if ctx.is_decode:
             return self._decode(q, k_cache, v_cache, ctx.seq_lens, ctx.block_tables, ctx)
         d = ctx.num_decode_rows

@@ -8,6 +8,7 @@ Projections are fused at load time: q/k/v into qkv_proj, gate/up into gate_up_pr
 from __future__ import annotations
 
 import torch
+from batchgen.kernels import ops
 from torch import nn
 
 from batchgen.layers.activation import SiluAndMul
@@ -42,6 +43,25 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hk) * D]
+        if ctx.kv_caches is None:
+            q, k, v = self._split_norm_rope(positions, qkv)
+            out = self.attn(q, k, v, ctx)  # [T, Hq, D]
+        else:
+            # q/k-norm, rotary and the cache write of k/v in one kernel on GPU.
+            k_cache, v_cache = ctx.kv_caches[self.attn.layer_idx]
+            norms = (
+                (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+            )
+            q = ops.rope_and_store_kv(
+                qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
+                k_cache, v_cache, ctx.slot_mapping, *norms,
+            )  # fmt: skip
+            out = self.attn.attend(q, ctx)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
+
+    def _split_norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor):
+        """The cache-free path (plain forwards): qkv -> rotated q [T, Hq, D], k [T, Hk, D], v."""
+        num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
@@ -51,8 +71,7 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, -1)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, -1)
         q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, ctx)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):

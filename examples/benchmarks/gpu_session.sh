@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, kernel timings, then the benchmark workloads.
 # Usage (repo root, on a CUDA box): bash examples/benchmarks/gpu_session.sh [STAGE...]
-# Stages: tests kernels nano-qwen nano-llama shared-prefix summarize score peer-qwen peer-llama
-#         profile-qwen profile-llama
+# Stages: tests kernels nano-qwen nano-llama nano-qwen3 nano-llama3 shared-prefix summarize score peer-qwen peer-llama
+#         profile-qwen profile-llama profile-qwen-small decode-tune
 # Writes logs and JSON under $OUT (default ./out/gpu). Wheels in .whl/ (e.g. polars) are
 # installed to /tmp/site first when present, for machines without them.
 set -uo pipefail
@@ -34,6 +34,14 @@ for stage in $stages; do
       2>&1 | tee "$OUT/profile_qwen.log" ;;
     profile-llama) python3 examples/benchmarks/profile_decode.py llama3.1-8b 20 \
       2>&1 | tee "$OUT/profile_llama.log" ;;
+    profile-qwen-small) python3 examples/benchmarks/profile_decode.py qwen3-0.6b 30 4 \
+      2>&1 | tee "$OUT/profile_qwen_small.log" ;;
+    decode-tune) python3 tests/kernels/bench_kernels.py --only decode --tune \
+      2>&1 | tee "$OUT/decode_tune.log" ;;
+    nano-qwen3) bench --workload nano --model-preset qwen3-0.6b --repeat 3 \
+      --json "$OUT/nano_qwen_r3.json" ;;
+    nano-llama3) bench --workload nano --model-preset llama3.1-8b --repeat 3 \
+      --json "$OUT/nano_llama_r3.json" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -1,6 +1,9 @@
 """Profile decode steps of the `nano` workload: where a step's time goes, GPU kernels and host.
 
-Usage (CUDA machine, repo root): python examples/benchmarks/profile_decode.py [PRESET] [STEPS]
+Usage (CUDA machine, repo root):
+    python examples/benchmarks/profile_decode.py [PRESET] [STEPS] [REQUESTS]
+REQUESTS (default 256) takes the first requests of the workload: a small number profiles the
+small-batch tail of a run, where per-kernel launch cost rather than bytes sets the step time.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from batchgen.config import EngineConfig
 def main() -> None:
     preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 30
+    requests = int(sys.argv[3]) if len(sys.argv) > 3 else 256
     config = EngineConfig(model="-", dtype="bfloat16", device="cuda")
     vocab = 151936 if preset.startswith("qwen") else 128256
-    w = nano(256, vocab)
+    w = nano(requests, vocab)
     bench = build_bench(config, preset, None, w.max_request_len())
     engine = bench.engine()
     submit(engine, w, "p")

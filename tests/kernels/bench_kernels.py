@@ -211,6 +211,41 @@ def bench_decode(tune: bool):
                 record(f"  splits={splits} tiles=({block_n},{warps},{stages})", fn, nbytes=nbytes)
 
 
+# Contexts as in `nano` mid-run (prompt 100-1024 plus up to 1024 generated), longest first as
+# the scheduler orders decode rows: name -> (batch, shortest, longest, Hq, Hk).
+RAGGED_DECODE_CASES = {
+    "decode B=256 ragged 100-2048 (qwen3-0.6B heads)": (256, 100, 2048, 16, 8),
+    "decode B=256 ragged 100-2048 (llama-8B heads)": (256, 100, 2048, 32, 8),
+    "decode B=64 ragged 100-2048 (qwen3-0.6B heads)": (64, 100, 2048, 16, 8),
+}
+RAGGED_TILES = [
+    (16, 2, 3), (32, 2, 3), (32, 4, 3), (32, 4, 4), (32, 4, 6), (64, 2, 3),
+    (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 2),
+]  # fmt: skip
+
+
+def bench_ragged_decode(tune: bool):
+    gen = torch.Generator().manual_seed(0)
+    for name, (b, lo, hi, hq, hk) in RAGGED_DECODE_CASES.items():
+        ctx = sorted(torch.randint(lo, hi + 1, (b,), generator=gen).tolist(), reverse=True)
+        q, k_cache, v_cache, _, lens, tables = paged_batch(
+            [1] * b, [c - 1 for c in ctx], hq, hk, 128
+        )
+        args = (q, k_cache, v_cache, lens, tables)
+        nbytes = 2 * sum(ctx) * hk * 128 * 2
+        longest = max(ctx)
+        record(name, lambda a=args, n=longest: paged_attention_decode(*a, 128**-0.5, max_seq_len=n),
+               nbytes=nbytes)  # fmt: skip
+        if not tune:
+            continue
+        for splits in (1, 2, 4):
+            for block_n, warps, stages in RAGGED_TILES:
+                fn = lambda a=args, s=splits, n=block_n, w=warps, st=stages: launch_decode(  # noqa: E731
+                    *a, 128**-0.5, s, n, w, st
+                )
+                record(f"  splits={splits} tiles=({block_n},{warps},{stages})", fn, nbytes=nbytes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune", action="store_true", help="also time attention tile variants")
@@ -224,6 +259,7 @@ def main() -> None:
         bench_prefill(opts.tune)
     if opts.only in (None, "decode"):
         bench_decode(opts.tune)
+        bench_ragged_decode(opts.tune)
     print(f"\n{'kernel':<48} {'triton ms':>10} {'ref ms':>10} {'speed-up':>9}  achieved")
     for name, ms, ref_ms, rate in ROWS:
         ref = f"{ref_ms:10.4f}" if ref_ms is not None else f"{'':>10}"

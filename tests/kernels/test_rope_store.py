@@ -1,0 +1,116 @@
+"""rope_and_store_kv: the fused prologue vs its reference and vs the three unfused kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from batchgen.kernels.kv_cache import store_kvcache
+from batchgen.kernels.rms_norm import rms_norm
+from batchgen.kernels.rope_store import rope_and_store_kv, rope_and_store_kv_ref
+from batchgen.kernels.rotary import build_cos_sin_cache, rotary_embedding
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _case(T, hq, hk, d, dtype, device, qk_norm, nb=6, bs=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(T, (hq + 2 * hk) * d, generator=g).to(dtype).to(device)
+    positions = torch.randint(0, 500, (T,), generator=g).to(device)
+    cos_sin = build_cos_sin_cache(d, 512, 10000.0, None).to(device)
+    k_cache = torch.randn(nb, bs, hk, d, generator=g).to(dtype).to(device)
+    v_cache = torch.randn(nb, bs, hk, d, generator=g).to(dtype).to(device)
+    slots = torch.randperm(nb * bs, generator=g)[:T]
+    slots[1::3] = -1  # padding tokens: q is still produced, nothing is stored
+    norms = ()
+    if qk_norm:
+        w = (1 + 0.5 * torch.randn(2, d, generator=g)).to(dtype).to(device)
+        norms = (w[0].contiguous(), w[1].contiguous(), 1e-6)
+    return (qkv, positions, cos_sin, hq, hk, k_cache, v_cache, slots.to(device)), norms
+
+
+def _run(fn, args, norms):
+    qkv, positions, cos_sin, hq, hk, k_cache, v_cache, slots = args
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    q = fn(qkv, positions, cos_sin, hq, hk, k_cache, v_cache, slots, *norms)
+    return q, k_cache, v_cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize(
+    "T, hq, hk, d", [(1, 2, 1, 16), (9, 4, 2, 32), (7, 6, 3, 24), (5, 8, 2, 128)]
+)
+def test_rope_and_store_kv_matches_ref(device, close, T, hq, hk, d, dtype, qk_norm):
+    args, norms = _case(T, hq, hk, d, dtype, device, qk_norm)
+    q, k_cache, v_cache = _run(rope_and_store_kv, args, norms)
+    q_ref, k_ref, v_ref = _run(rope_and_store_kv_ref, args, norms)
+    assert q.shape == (T, hq, d) and q.dtype == dtype and q.is_contiguous()
+    # The kernel rotates in fp32 and rounds once; the reference rounds each step in dtype.
+    close(q, q_ref, dtype, scale=4)
+    close(k_cache, k_ref, dtype, scale=4)
+    assert torch.equal(v_cache, v_ref)  # v is copied, never rounded
+    written = args[7][args[7] >= 0]
+    untouched = torch.ones(k_cache.shape[0] * k_cache.shape[1], dtype=torch.bool)
+    untouched[written.cpu()] = False
+    untouched = untouched.to(device)
+    assert torch.equal(k_cache.flatten(0, 1)[untouched], args[5].flatten(0, 1)[untouched])
+    assert torch.equal(v_cache.flatten(0, 1)[untouched], args[6].flatten(0, 1)[untouched])
+
+
+def _unfused(qkv, positions, cos_sin, hq, hk, k_cache, v_cache, slots, *norms):
+    # What the model ran before the fusion: split views, norms on [T * H, D] rows, rotary, store.
+    T, d = qkv.shape[0], k_cache.shape[3]
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k, v = q.view(T, hq, d), k.view(T, hk, d), v.view(T, hk, d)
+    if norms:
+        q = rms_norm(q.reshape(-1, d), norms[0], norms[2]).view(T, hq, d)
+        k = rms_norm(k.reshape(-1, d), norms[1], norms[2]).view(T, hk, d)
+    q, k = rotary_embedding(positions, q, k, cos_sin)
+    store_kvcache(k, v, k_cache, v_cache, slots)
+    return q
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_and_store_kv_equals_unfused_kernels(device, dtype, qk_norm):
+    args, norms = _case(11, 4, 2, 32, dtype, device, qk_norm, seed=3)
+    q, k_cache, v_cache = _run(rope_and_store_kv, args, norms)
+    q_u, k_u, v_u = _run(_unfused, args, norms)
+    # Same roundings in the same order: equal up to the fp32 sum order inside the norm.
+    atol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(q, q_u, atol=atol, rtol=0)
+    torch.testing.assert_close(k_cache, k_u, atol=atol, rtol=0)
+    assert torch.equal(v_cache, v_u)
+
+
+def test_rope_and_store_kv_rejects_bad_args(device):
+    args, norms = _case(4, 4, 2, 16, torch.float32, device, True)
+    qkv, positions, cos_sin, hq, hk, k_cache, v_cache, slots = args
+    with pytest.raises(ValueError, match=r"rope_and_store_kv: qkv must be \[T, \(Hq \+ 2 Hk\)"):
+        rope_and_store_kv(qkv[:, :-16], positions, cos_sin, hq, hk, k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="slot_mapping must be"):
+        rope_and_store_kv(qkv, positions, cos_sin, hq, hk, k_cache, v_cache, slots.int())
+    with pytest.raises(ValueError, match="positions must be"):
+        rope_and_store_kv(qkv, positions[:2], cos_sin, hq, hk, k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="share a dtype"):
+        rope_and_store_kv(qkv.half(), positions, cos_sin, hq, hk, k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="or neither"):
+        rope_and_store_kv(qkv, positions, cos_sin, hq, hk, k_cache, v_cache, slots, norms[0])
+    with pytest.raises(ValueError, match="kv heads"):
+        rope_and_store_kv(qkv, positions, cos_sin, hq, 1, k_cache, v_cache, slots)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq, qk_norm, T", [(16, True, 256), (32, False, 2048)])
+def test_rope_and_store_kv_realistic(hq, qk_norm, T):
+    # Qwen3-0.6B (q/k-norm) and Llama-3.1-8B heads, bf16, against the unfused kernels: the same
+    # roundings, so equal but for the rare last bit from the norm's fp32 sum order.
+    args, norms = _case(T, hq, 8, 128, torch.bfloat16, "cuda", qk_norm, nb=T // 8, bs=16)
+    q, k_cache, v_cache = _run(rope_and_store_kv, args, norms)
+    q_u, k_u, v_u = _run(_unfused, args, norms)
+    assert torch.equal(v_cache, v_u)
+    for out, ref in ((q, q_u), (k_cache, k_u)):
+        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
+        assert (out == ref).float().mean().item() > 0.999
+    if not qk_norm:
+        assert torch.equal(q, q_u) and torch.equal(k_cache, k_u)
