@@ -2,7 +2,8 @@
 # One call on the GPU machine: GPU tests, kernel timings, then the benchmark workloads.
 # Usage (repo root, on a CUDA box): bash examples/benchmarks/gpu_session.sh [STAGE...]
 # Stages: tests kernels nano-qwen nano-llama nano-qwen3 nano-llama3 shared-prefix summarize score peer-qwen peer-llama
-#         profile-qwen profile-llama profile-qwen-small decode-tune
+#         profile-qwen profile-llama profile-qwen-small decode-tune admission-qwen
+#         admission-llama placement
 # Writes logs and JSON under $OUT (default ./out/gpu). Wheels in .whl/ (e.g. polars) are
 # installed to /tmp/site first when present, for machines without them.
 set -uo pipefail
@@ -36,6 +37,12 @@ for stage in $stages; do
       2>&1 | tee "$OUT/profile_llama.log" ;;
     profile-qwen-small) python3 examples/benchmarks/profile_decode.py qwen3-0.6b 30 4 \
       2>&1 | tee "$OUT/profile_qwen_small.log" ;;
+    admission-qwen) python3 examples/benchmarks/profile_admission.py qwen3-0.6b \
+      2>&1 | tee "$OUT/admission_qwen.log" ;;
+    admission-llama) python3 examples/benchmarks/profile_admission.py llama3.1-8b \
+      2>&1 | tee "$OUT/admission_llama.log" ;;
+    placement) python3 tests/kernels/bench_kernels.py --only placement \
+      2>&1 | tee "$OUT/placement.log" ;;
     decode-tune) python3 tests/kernels/bench_kernels.py --only decode --tune \
       2>&1 | tee "$OUT/decode_tune.log" ;;
     nano-qwen3) bench --workload nano --model-preset qwen3-0.6b --repeat 3 \

@@ -42,11 +42,19 @@ def main() -> None:
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / steps
     print(f"{preset}: {len(engine.scheduler.running)} running, {wall * 1e3:.2f} ms per decode step")
+    context_tokens = 0  # keys the decode kernels read over the profiled steps, per layer
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
+            context_tokens += sum(s.num_computed_tokens + 1 for s in engine.scheduler.running)
             engine.step()
         torch.cuda.synchronize()
     table = prof.key_averages()
+    mc = engine.model_config
+    kv_bytes = context_tokens * 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 2
+    split_us = sum(e.self_device_time_total for e in table if e.key == "_decode_split_kernel")
+    if split_us:
+        print(f"decode attention: {split_us / steps / 1e3:.2f} ms per step, "
+              f"{kv_bytes / (split_us * 1e-6) / 1e12:.2f} TB/s of K/V")  # fmt: skip
     print(table.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
     print(table.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
     gpu_us = sum(e.self_device_time_total for e in table)
