@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import check_launchable, tl, triton
+from .launch import check_launchable, pow2, tl, triton
 
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x7FEB352D, 0x846CA68B
@@ -119,21 +119,26 @@ def _uniform_noise_kernel(seeds_ptr, steps_ptr, out_ptr, V, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temps_ptr, out_ptr, stride_row, V,
+def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temps_ptr, part_score_ptr,
+                          part_idx_ptr, stride_row, V, CHUNK, NUM_CHUNKS,
                           HAS_TEMPS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    # One program per row: running per-lane best (score, index) over V tiles, then the lowest
-    # index among the lanes holding the maximum (torch.argmax's first-occurrence rule). Logits
-    # of any float dtype are widened to float32 and divided by the row's temperature here,
-    # sparing the sampler two passes over [B, V].
+    # Grid (B, NUM_CHUNKS): program (row, c) scans logits[row, c * CHUNK : (c + 1) * CHUNK]
+    # (CHUNK a multiple of BLOCK) keeping a running per-lane best (score, index), then writes
+    # the chunk's maximum and the lowest index holding it to part_score / part_idx [B, C].
+    # Chunks let a few rows still fill the GPU. Logits of any float dtype are widened to
+    # float32 and divided by the row's temperature here, sparing the sampler two passes.
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     k1, k2 = _row_keys(seeds_ptr, steps_ptr, row)
     if HAS_TEMPS:
         temp = tl.load(temps_ptr + row)
+    lo = chunk * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
     best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    best_idx = tl.arange(0, BLOCK)
-    for start in range(0, V, BLOCK):
+    best_idx = lo + tl.arange(0, BLOCK)
+    for start in range(lo, hi, BLOCK):
         idx = start + tl.arange(0, BLOCK)
-        mask = idx < V
+        mask = idx < hi
         x = tl.load(logits_ptr + row * stride_row + idx, mask=mask, other=float("-inf"))
         x = x.to(tl.float32)
         if HAS_TEMPS:
@@ -144,7 +149,34 @@ def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temps_ptr, out_ptr, 
         best = tl.where(take, score, best)
         best_idx = tl.where(take, idx, best_idx)
     top = tl.max(best, 0)
-    tl.store(out_ptr + row, tl.min(tl.where(best == top, best_idx, V), 0).to(tl.int64))
+    tl.store(part_score_ptr + row * NUM_CHUNKS + chunk, top)
+    tl.store(part_idx_ptr + row * NUM_CHUNKS + chunk, tl.min(tl.where(best == top, best_idx, V), 0))
+
+
+@triton.jit
+def _argmax_chunks_kernel(part_score_ptr, part_idx_ptr, out_ptr, V, NUM_CHUNKS,
+                          BLOCK_C: tl.constexpr):  # fmt: skip
+    # One program per row: the best chunk, the lowest index among ties (chunks run in index
+    # order and each holds its own lowest tied index): torch.argmax's first-occurrence rule.
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    mask = c < NUM_CHUNKS
+    score = tl.load(part_score_ptr + row * NUM_CHUNKS + c, mask=mask, other=float("-inf"))
+    idx = tl.load(part_idx_ptr + row * NUM_CHUNKS + c, mask=mask, other=V)
+    top = tl.max(score, 0)
+    tl.store(out_ptr + row, tl.min(tl.where(mask & (score == top), idx, V), 0).to(tl.int64))
+
+
+def _num_chunks(rows: int, vocab: int, device: torch.device) -> int:
+    """Vocabulary chunks per row: enough programs for about four per SM, each chunk at least
+    two BLOCK_V tiles so the final reduce stays small."""
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 4
+    )
+    most = max(1, -(-vocab // (2 * _BLOCK_V)))
+    return max(1, min(-(-4 * sms // max(rows, 1)), most))
 
 
 def _check_rows(op: str, seeds: torch.Tensor, steps: torch.Tensor, rows: int) -> None:
@@ -211,11 +243,21 @@ def gumbel_argmax(
         )
     extra = () if temperatures is None else (temperatures,)
     check_launchable(op, logits, seeds, steps, *extra)
-    out = torch.empty((logits.shape[0],), dtype=torch.int64, device=logits.device)
-    if logits.shape[0]:
-        _gumbel_argmax_kernel[(logits.shape[0],)](
-            logits, seeds, steps, temperatures if temperatures is not None else seeds, out,
-            logits.stride(0), logits.shape[1], HAS_TEMPS=temperatures is not None,
-            BLOCK=_BLOCK_V, num_warps=8,
-        )  # fmt: skip
+    rows, vocab = logits.shape
+    out = torch.empty((rows,), dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    chunks = _num_chunks(rows, vocab, logits.device)
+    chunk_len = triton.cdiv(triton.cdiv(vocab, chunks), _BLOCK_V) * _BLOCK_V
+    chunks = triton.cdiv(vocab, chunk_len)
+    part_score = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
+    _gumbel_argmax_kernel[(rows, chunks)](
+        logits, seeds, steps, temperatures if temperatures is not None else seeds,
+        part_score, part_idx, logits.stride(0), vocab, chunk_len, chunks,
+        HAS_TEMPS=temperatures is not None, BLOCK=_BLOCK_V, num_warps=8,
+    )  # fmt: skip
+    _argmax_chunks_kernel[(rows,)](
+        part_score, part_idx, out, vocab, chunks, BLOCK_C=max(16, pow2(chunks)), num_warps=1
+    )
     return out

@@ -3,7 +3,7 @@
 # Usage (repo root, on a CUDA box): bash examples/benchmarks/gpu_session.sh [STAGE...]
 # Stages: tests kernels nano-qwen nano-llama nano-qwen3 nano-llama3 shared-prefix summarize score peer-qwen peer-llama
 #         profile-qwen profile-llama profile-qwen-small decode-tune admission-qwen
-#         admission-llama placement
+#         admission-llama placement gemm
 # Writes logs and JSON under $OUT (default ./out/gpu). Wheels in .whl/ (e.g. polars) are
 # installed to /tmp/site first when present, for machines without them.
 set -uo pipefail
@@ -43,6 +43,7 @@ for stage in $stages; do
       2>&1 | tee "$OUT/admission_llama.log" ;;
     placement) python3 tests/kernels/bench_kernels.py --only placement \
       2>&1 | tee "$OUT/placement.log" ;;
+    gemm) python3 examples/benchmarks/gemm_shapes.py 2>&1 | tee "$OUT/gemm.log" ;;
     decode-tune) python3 tests/kernels/bench_kernels.py --only decode --tune \
       2>&1 | tee "$OUT/decode_tune.log" ;;
     nano-qwen3) bench --workload nano --model-preset qwen3-0.6b --repeat 3 \

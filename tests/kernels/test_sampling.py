@@ -75,7 +75,7 @@ def test_uniform_noise_kernel_is_bit_exact(device):
     assert torch.equal(out.cpu(), uniform_noise_ref(seeds, steps, 5000))
 
 
-@pytest.mark.parametrize("vocab", [5, 2048, 5000])
+@pytest.mark.parametrize("vocab", [5, 2048, 5000, 20000])
 def test_gumbel_argmax_matches_ref(device, vocab):
     seeds, steps = _rows()
     logits = 3 * torch.randn(len(SEEDS), vocab, generator=torch.Generator().manual_seed(vocab))
@@ -133,9 +133,29 @@ def test_gumbel_ref_samples_the_softmax():
     torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
 
 
+def test_gumbel_argmax_scans_chunks_in_parallel(device):
+    # Few rows and a large vocabulary: each row is split over several programs, whose bests are
+    # combined; the winner may sit in any chunk, and an all-masked row still picks index 0.
+    from batchgen.kernels.sampling import _num_chunks
+
+    vocab = 40000
+    assert _num_chunks(2, vocab, torch.device(device)) > 1
+    seeds, steps = torch.tensor([3, 4]), torch.tensor([0, 9])
+    logits = torch.full((2, vocab), float("-inf"))
+    for where in (5, 17000, vocab - 1):  # one allowed token, in the first, a middle, the last chunk
+        logits[0] = float("-inf")
+        logits[0, where] = 1.0
+        got = gumbel_argmax(logits.to(device), seeds.to(device), steps.to(device))
+        assert got.cpu().tolist() == [where, 0]
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(1))
+    got = gumbel_argmax(logits.to(device), seeds.to(device), steps.to(device))
+    assert got.cpu().tolist() == gumbel_argmax_ref(logits, seeds, steps).tolist()
+
+
 @pytest.mark.gpu
-def test_gumbel_argmax_realistic():
-    b, vocab = 256, 151936
+@pytest.mark.parametrize("b", [3, 256])
+def test_gumbel_argmax_realistic(b):
+    vocab = 151936
     logits = torch.randn(b, vocab, device="cuda") / 0.6
     seeds = torch.randint(-(2**62), 2**62, (b,), device="cuda")
     steps = torch.randint(0, 2000, (b,), device="cuda")

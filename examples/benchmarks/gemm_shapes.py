@@ -1,0 +1,57 @@
+"""Time the decode-step projections of the bench presets at decode batch sizes: cuBLAS through
+F.linear on the [N, K] weight as stored, and through torch.mm on a [K, N] copy (a different
+cuBLAS layout, so possibly a different kernel choice).
+
+Usage (CUDA machine, repo root): python examples/benchmarks/gemm_shapes.py
+Times are CUDA-graph replays (triton.testing.do_bench_cudagraph), as the engine's decode steps
+run; each replay cycles through copies of the weight totalling at least 256 MB, so the weight
+comes from HBM, not the 50 MB L2, as it does between the layers of a real step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench_cudagraph
+
+SHAPES = {
+    # preset: {projection: (K, N)}
+    "qwen3-0.6b": {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144),
+                   "down": (3072, 1024), "lm_head": (1024, 151936)},
+    "llama3.1-8b": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+                    "down": (14336, 4096), "lm_head": (4096, 128256)},
+}  # fmt: skip
+BATCHES = [4, 64, 128, 256]
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    print(f"{'preset':<12} {'proj':<8} {'M':>4} {'linear us':>10} {'mm(K,N) us':>11} "
+          f"{'linear TB/s':>11} {'TFLOP/s':>8}")  # fmt: skip
+    for preset, shapes in SHAPES.items():
+        for name, (k, n) in shapes.items():
+            copies = max(1, -(-(256 << 20) // (n * k * 2)))
+            ws = [torch.randn(n, k, device="cuda", dtype=dt) * 0.02 for _ in range(copies)]
+            wts = [w.t().contiguous() for w in ws]
+            for m in BATCHES:
+                x = torch.randn(m, k, device="cuda", dtype=dt)
+
+                def linear(x=x, ws=ws):
+                    for w in ws:
+                        F.linear(x, w)
+
+                def mm(x=x, wts=wts):
+                    for wt in wts:
+                        torch.mm(x, wt)
+
+                a = do_bench_cudagraph(linear, rep=50) * 1e3 / copies
+                b = do_bench_cudagraph(mm, rep=50) * 1e3 / copies
+                tbs = (n * k * 2 + m * (k + n) * 2) / (a * 1e-6) / 1e12
+                tflops = 2 * m * n * k / (a * 1e-6) / 1e12
+                print(f"{preset:<12} {name:<8} {m:>4} {a:>10.1f} {b:>11.1f} {tbs:>11.2f} "
+                      f"{tflops:>8.0f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
