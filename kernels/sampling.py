@@ -118,7 +118,9 @@ def _uniform_noise_kernel(seeds_ptr, steps_ptr, out_ptr, V, BLOCK: tl.constexpr)
     tl.store(out_ptr + row * V + idx, _uniform(idx, k1, k2), mask=idx < V)
 
 
-@triton.jit
+# NUM_CHUNKS follows the row count: unspecialized, or a batch whose count divides by 16 would
+# compile another variant mid-run.
+@triton.jit(do_not_specialize=["NUM_CHUNKS"])
 def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temps_ptr, part_score_ptr,
                           part_idx_ptr, stride_row, V, CHUNK, NUM_CHUNKS,
                           HAS_TEMPS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
@@ -153,7 +155,7 @@ def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temps_ptr, part_scor
     tl.store(part_idx_ptr + row * NUM_CHUNKS + chunk, tl.min(tl.where(best == top, best_idx, V), 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_CHUNKS"])
 def _argmax_chunks_kernel(part_score_ptr, part_idx_ptr, out_ptr, V, NUM_CHUNKS,
                           BLOCK_C: tl.constexpr):  # fmt: skip
     # One program per row: the best chunk, the lowest index among ties (chunks run in index
@@ -257,7 +259,9 @@ def gumbel_argmax(
         part_score, part_idx, logits.stride(0), vocab, chunk_len, chunks,
         HAS_TEMPS=temperatures is not None, BLOCK=_BLOCK_V, num_warps=8,
     )  # fmt: skip
+    # BLOCK_C from the most chunks this vocabulary can have: one variant per model.
+    most = triton.cdiv(vocab, 2 * _BLOCK_V)
     _argmax_chunks_kernel[(rows,)](
-        part_score, part_idx, out, vocab, chunks, BLOCK_C=max(16, pow2(chunks)), num_warps=1
+        part_score, part_idx, out, vocab, chunks, BLOCK_C=max(16, pow2(most)), num_warps=1
     )
     return out
