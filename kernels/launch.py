@@ -11,8 +11,9 @@ class _MissingTriton:
     """Stands in for `triton` and `triton.language` where Triton is not installed (macOS, CPU).
 
     Kernel modules must still import there, because they also hold the torch references that the
-    CPU path runs: `@triton.jit` leaves the function as it is, `tl.constexpr` and friends resolve
-    to this object, and anything that would really launch raises.
+    CPU path runs: `@triton.jit` and `@triton.jit(...)` leave the function as it is,
+    `tl.constexpr` and friends resolve to this object, and anything that would really launch
+    raises.
     """
 
     def __getattr__(self, name: str) -> _MissingTriton:
@@ -21,6 +22,8 @@ class _MissingTriton:
     def __call__(self, *args, **kwargs):
         if len(args) == 1 and callable(args[0]) and not kwargs:
             return args[0]
+        if not args and kwargs:  # @triton.jit(do_not_specialize=...): a decorator factory
+            return lambda fn: fn
         raise RuntimeError(
             "Triton is not installed: use the torch reference (batchgen.kernels.ops)"
         )
