@@ -277,11 +277,21 @@ def bench_placement():
                nbytes=nbytes)  # fmt: skip
 
 
+def bench_read_ceiling():
+    """What HBM reads alone reach (the decode kernels only read): reductions over 4 GiB."""
+    x = torch.randn(2 << 30, device=DEV, dtype=BF16)
+    record("read: x.sum() 4 GiB bf16", lambda: x.sum(), nbytes=x.numel() * 2)
+    record("read: x.amax() 4 GiB bf16", lambda: x.amax(), nbytes=x.numel() * 2)
+    y = torch.empty_like(x[: 1 << 30])
+    record("copy: 2 GiB bf16 (read + write)", lambda: y.copy_(x[: 1 << 30]),
+           nbytes=2 * y.numel() * 2)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune", action="store_true", help="also time attention tile variants")
     parser.add_argument(
-        "--only", choices=["elementwise", "prefill", "decode", "placement"], default=None
+        "--only", choices=["elementwise", "prefill", "decode", "placement", "read"], default=None
     )
     opts = parser.parse_args()
     torch.manual_seed(0)
@@ -293,6 +303,8 @@ def main() -> None:
     if opts.only in (None, "decode"):
         bench_decode(opts.tune)
         bench_ragged_decode(opts.tune)
+    if opts.only in (None, "read"):
+        bench_read_ceiling()
     if opts.only in (None, "placement"):
         bench_placement()
     print(f"\n{'kernel':<48} {'triton ms':>10} {'ref ms':>10} {'speed-up':>9}  achieved")
