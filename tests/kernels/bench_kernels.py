@@ -217,10 +217,12 @@ RAGGED_DECODE_CASES = {
     "decode B=256 ragged 100-2048 (qwen3-0.6B heads)": (256, 100, 2048, 16, 8),
     "decode B=256 ragged 100-2048 (llama-8B heads)": (256, 100, 2048, 32, 8),
     "decode B=64 ragged 100-2048 (qwen3-0.6B heads)": (64, 100, 2048, 16, 8),
+    "decode B=128 ragged 100-2048 (qwen3-0.6B heads)": (128, 100, 2048, 16, 8),
+    "decode B=32 ragged 500-2048 (qwen3-0.6B heads)": (32, 500, 2048, 16, 8),
+    "decode B=128 ragged 100-2048 (llama-8B heads)": (128, 100, 2048, 32, 8),
 }
 RAGGED_TILES = [
-    (16, 2, 3), (32, 2, 3), (32, 4, 3), (32, 4, 4), (32, 4, 6), (64, 2, 3),
-    (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 2),
+    (32, 4, 6), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2),
 ]  # fmt: skip
 
 
@@ -238,6 +240,12 @@ def bench_ragged_decode(tune: bool):
                nbytes=nbytes)  # fmt: skip
         if not tune:
             continue
+        for part in (256, 512, 1024):  # fixed-size partitions of `part` keys
+            splits = -(-max(ctx) // part)
+            fn = lambda a=args, s=splits, t=part // 64: launch_decode(  # noqa: E731
+                *a, 128**-0.5, s, 64, 4, 3, split_tiles=t
+            )
+            record(f"  fixed partitions of {part} keys ({splits} splits)", fn, nbytes=nbytes)
         for splits in (1, 2, 4):
             for block_n, warps, stages in RAGGED_TILES:
                 fn = lambda a=args, s=splits, n=block_n, w=warps, st=stages: launch_decode(  # noqa: E731
@@ -291,7 +299,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune", action="store_true", help="also time attention tile variants")
     parser.add_argument(
-        "--only", choices=["elementwise", "prefill", "decode", "placement", "read"], default=None
+        "--only",
+        choices=["elementwise", "prefill", "decode", "ragged", "placement", "read"],
+        default=None,
     )
     opts = parser.parse_args()
     torch.manual_seed(0)
@@ -302,6 +312,7 @@ def main() -> None:
         bench_prefill(opts.tune)
     if opts.only in (None, "decode"):
         bench_decode(opts.tune)
+    if opts.only in (None, "decode", "ragged"):
         bench_ragged_decode(opts.tune)
     if opts.only in (None, "read"):
         bench_read_ceiling()
