@@ -18,12 +18,12 @@ _MIN_KEYS_PER_SPLIT = 256
 HEADS_FIRST = True
 
 
-@triton.jit(do_not_specialize=["NUM_SPLITS", "SPLIT_TILES"])
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, seq_lens_ptr, block_tables_ptr, out_ptr, part_acc_ptr, part_lse_ptr,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ob, stride_oh,
-    qk_scale, NUM_SPLITS, SPLIT_TILES,
+    qk_scale, NUM_SPLITS,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
@@ -35,9 +35,7 @@ def _decode_split_kernel(
     # of the keys. NUM_SPLITS == 1 writes the output; otherwise a normalised partial and its
     # log2-sum-exp go to part_acc [B, Hq, S, D] / part_lse [B, Hq, S] for the reduce kernel.
     # NUM_SPLITS is a runtime value: the split count varies with the batch, and a compile per
-    # count would land in the middle of a run. SPLIT_TILES > 0 gives every split that many
-    # BLOCK_N tiles (fixed-size partitions: a long sequence gets more splits than a short one,
-    # whose trailing splits are empty); 0 divides each sequence into NUM_SPLITS equal parts.
+    # count would land in the middle of a run.
     if HEADS_FIRST:
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -48,10 +46,7 @@ def _decode_split_kernel(
         num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    if SPLIT_TILES > 0:
-        tiles_per_split = SPLIT_TILES
-    else:
-        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
     n_lo = split * tiles_per_split * BLOCK_N
     n_hi = tl.minimum(n_lo + tiles_per_split * BLOCK_N, seq_len)
 
@@ -242,11 +237,9 @@ def launch_decode(
     num_warps,
     num_stages,
     heads_first: bool = HEADS_FIRST,
-    split_tiles: int = 0,
 ) -> torch.Tensor:
     """Launch the split and reduce kernels on checked arguments with explicit tiles (tests,
-    benchmarks); paged_attention_decode is the entry point. split_tiles > 0: fixed-size
-    partitions of that many block_n tiles, num_splits of them must cover the longest sequence."""
+    benchmarks); paged_attention_decode is the entry point."""
     B, HQ, D = q.shape
     bs, HK = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty((B, HQ, D), dtype=q.dtype, device=q.device)
@@ -263,7 +256,7 @@ def launch_decode(
         q, k_cache, v_cache, seq_lens, block_tables, out, part_acc, part_lse,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
-        scale * _LOG2E, num_splits, split_tiles,
+        scale * _LOG2E, num_splits,
         GROUP=group, BLOCK_G=max(16, pow2(group)), HEAD_DIM=D, BLOCK_D=pow2(D),
         BLOCK_N=block_n, PAGE_SIZE=bs,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEADS_FIRST=heads_first,

@@ -240,12 +240,6 @@ def bench_ragged_decode(tune: bool):
                nbytes=nbytes)  # fmt: skip
         if not tune:
             continue
-        for part in (256, 512, 1024):  # fixed-size partitions of `part` keys
-            splits = -(-max(ctx) // part)
-            fn = lambda a=args, s=splits, t=part // 64: launch_decode(  # noqa: E731
-                *a, 128**-0.5, s, 64, 4, 3, split_tiles=t
-            )
-            record(f"  fixed partitions of {part} keys ({splits} splits)", fn, nbytes=nbytes)
         for splits in (1, 2, 4):
             for block_n, warps, stages in RAGGED_TILES:
                 fn = lambda a=args, s=splits, n=block_n, w=warps, st=stages: launch_decode(  # noqa: E731

@@ -82,17 +82,6 @@ def test_decode_tile_shapes(device, close, block_n, num_splits):
     close(out, paged_attention_decode_ref(*args, 0.2), torch.float32)
 
 
-@pytest.mark.parametrize("split_tiles, num_splits", [(1, 13), (2, 7), (3, 5)])
-def test_decode_fixed_size_partitions(device, close, split_tiles, num_splits):
-    # Every split covers split_tiles tiles of 16 keys: the 200-key sequence fills all of them,
-    # the short ones only their first, the rest stay empty; seq_len 0 still gives zeros.
-    args = make_decode([200, 1, 60, 130, 17, 5], 4, 2, 32, 8, torch.float32, device)
-    args[3][5] = 0
-    out = launch_decode(*args, 0.2, num_splits, 16, 4, 1, split_tiles=split_tiles)
-    close(out, paged_attention_decode_ref(*args, 0.2), torch.float32)
-    assert torch.equal(out[5], torch.zeros_like(out[5]))
-
-
 def test_decode_rejects_bad_args(device):
     q, k_cache, v_cache, seq_lens, block_tables = make_decode(
         [5, 9], 4, 2, 32, 8, torch.float32, device
