@@ -3,11 +3,9 @@ Triton kernels with GQA packing, and the torch reference."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .launch import check_dtype, check_launchable, interpreting, pow2, tl, triton
+from .launch import check_dtype, check_launchable, interpreting, num_sms, pow2, tl, triton
 from .paged_attention import causal_attention_ref, gather_kv_ref
 
 _LOG2E = 1.4426950408889634
@@ -127,17 +125,10 @@ def _decode_reduce_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Splits of the key range so B * Hk * splits programs fill the GPU about twice over, each
     split covering at least _MIN_KEYS_PER_SPLIT keys. Host ints only (CUDA-graph safe)."""
-    want = -(-2 * _num_sms(device) // max(batch * kv_heads, 1))
+    want = -(-2 * num_sms(device) // max(batch * kv_heads, 1))
     most = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
     return max(1, min(want, most, _MAX_SPLITS))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -44,6 +45,7 @@ __all__ = [
     "check_dtype",
     "check_launchable",
     "interpreting",
+    "num_sms",
     "pow2",
     "tl",
     "triton",
@@ -80,6 +82,15 @@ def check_dtype(op: str, name: str, t: torch.Tensor, allowed=KERNEL_DTYPES) -> N
     """Check that tensor `name` has one of the allowed dtypes."""
     if t.dtype not in allowed:
         raise ValueError(f"{op}: {name} has dtype {t.dtype}, expected one of {allowed}")
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 132 (an H100 SXM) for other devices, so the
+    interpreter sizes grids as a GPU would. Cached: launchers ask on every step."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def pow2(n: int) -> int:

@@ -14,7 +14,7 @@ import torch
 from .kv_cache import store_kvcache_ref
 from .launch import check_dtype, check_launchable, pow2, tl, triton
 from .rms_norm import rms_norm_ref
-from .rotary import rotary_embedding_ref
+from .rotary import check_positions_and_table, rotary_embedding_ref
 
 
 @triton.jit
@@ -94,23 +94,11 @@ def _check_args(op, qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_ca
     if d % 2:
         raise ValueError(f"{op}: head_dim {d} must be even")
     T = qkv.shape[0]
-    if not (positions.shape == (T,) and positions.dtype == torch.int64):
-        raise ValueError(
-            f"{op}: positions must be [{T}] int64, got {tuple(positions.shape)} {positions.dtype}"
-        )
+    check_positions_and_table(op, positions, cos_sin_cache, T, d)
     if not (slot_mapping.shape == (T,) and slot_mapping.dtype == torch.int64):
         raise ValueError(
             f"{op}: slot_mapping must be [{T}] int64, "
             f"got {tuple(slot_mapping.shape)} {slot_mapping.dtype}"
-        )
-    if not (
-        cos_sin_cache.dim() == 2
-        and cos_sin_cache.shape[1] == d
-        and cos_sin_cache.dtype == torch.float32
-    ):
-        raise ValueError(
-            f"{op}: cos_sin_cache must be [max_pos, {d}] float32, "
-            f"got {tuple(cos_sin_cache.shape)} {cos_sin_cache.dtype}"
         )
     if not (qkv.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError(

@@ -105,6 +105,26 @@ def _rotary_kernel(
                   HALF, BLOCK_HK, BLOCK_HALF)  # fmt: skip
 
 
+def check_positions_and_table(
+    op: str, positions: torch.Tensor, cos_sin_cache: torch.Tensor, T: int, D: int
+) -> None:
+    """positions must be [T] int64 and cos_sin_cache [max_pos, D] float32 (build_cos_sin_cache);
+    shared by the launchers that rotate."""
+    if not (positions.shape == (T,) and positions.dtype == torch.int64):
+        raise ValueError(
+            f"{op}: positions must be [{T}] int64, got {tuple(positions.shape)} {positions.dtype}"
+        )
+    if not (
+        cos_sin_cache.dim() == 2
+        and cos_sin_cache.shape[1] == D
+        and cos_sin_cache.dtype == torch.float32
+    ):
+        raise ValueError(
+            f"{op}: cos_sin_cache must be [max_pos, {D}] float32, "
+            f"got {tuple(cos_sin_cache.shape)} {cos_sin_cache.dtype}"
+        )
+
+
 def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,19 +147,7 @@ def rotary_embedding(
         raise ValueError(f"{op}: k {tuple(k.shape)} does not match q {tuple(q.shape)}")
     if D % 2 != 0:
         raise ValueError(f"{op}: head_dim {D} must be even")
-    if not (positions.shape == (T,) and positions.dtype == torch.int64):
-        raise ValueError(
-            f"{op}: positions must be [{T}] int64, got {tuple(positions.shape)} {positions.dtype}"
-        )
-    if not (
-        cos_sin_cache.dim() == 2
-        and cos_sin_cache.shape[1] == D
-        and cos_sin_cache.dtype == torch.float32
-    ):
-        raise ValueError(
-            f"{op}: cos_sin_cache must be [max_pos, {D}] float32, "
-            f"got {tuple(cos_sin_cache.shape)} {cos_sin_cache.dtype}"
-        )
+    check_positions_and_table(op, positions, cos_sin_cache, T, D)
     if cos_sin_cache.stride(1) != 1:
         raise ValueError(f"{op}: cos_sin_cache rows must be contiguous")
     if not (q.stride(2) == 1 and k.stride(2) == 1):

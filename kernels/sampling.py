@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import check_launchable, pow2, tl, triton
+from .launch import check_launchable, num_sms, pow2, tl, triton
 
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x7FEB352D, 0x846CA68B
@@ -169,16 +169,15 @@ def _argmax_chunks_kernel(part_score_ptr, part_idx_ptr, out_ptr, V, NUM_CHUNKS,
     tl.store(out_ptr + row, tl.min(tl.where(mask & (score == top), idx, V), 0).to(tl.int64))
 
 
+def _max_chunks(vocab: int) -> int:
+    """The most chunks a row is split into: each covers at least two BLOCK_V tiles, so the final
+    reduce stays small."""
+    return triton.cdiv(vocab, 2 * _BLOCK_V)
+
+
 def _num_chunks(rows: int, vocab: int, device: torch.device) -> int:
-    """Vocabulary chunks per row: enough programs for about four per SM, each chunk at least
-    two BLOCK_V tiles so the final reduce stays small."""
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 4
-    )
-    most = max(1, -(-vocab // (2 * _BLOCK_V)))
-    return max(1, min(-(-4 * sms // max(rows, 1)), most))
+    """Vocabulary chunks per row: enough programs for about four per SM, at most _max_chunks."""
+    return max(1, min(-(-4 * num_sms(device) // max(rows, 1)), _max_chunks(vocab)))
 
 
 def _check_rows(op: str, seeds: torch.Tensor, steps: torch.Tensor, rows: int) -> None:
@@ -260,8 +259,8 @@ def gumbel_argmax(
         HAS_TEMPS=temperatures is not None, BLOCK=_BLOCK_V, num_warps=8,
     )  # fmt: skip
     # BLOCK_C from the most chunks this vocabulary can have: one variant per model.
-    most = triton.cdiv(vocab, 2 * _BLOCK_V)
+    block_c = max(16, pow2(_max_chunks(vocab)))
     _argmax_chunks_kernel[(rows,)](
-        part_score, part_idx, out, vocab, chunks, BLOCK_C=max(16, pow2(most)), num_warps=1
+        part_score, part_idx, out, vocab, chunks, BLOCK_C=block_c, num_warps=1
     )
     return out

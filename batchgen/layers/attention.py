@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache: store the new tokens' K/V, attend via block tables."""
+"""Attention of a layer: over the paged KV cache (attend; the model has stored this step's K/V with
+ops.rope_and_store_kv), or cache-free over the new tokens alone (forward)."""
 
 from __future__ import annotations
 
@@ -23,13 +24,12 @@ class Attention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq, D]: store k/v in the cache (when there is
-        one), then attend."""
-        if ctx.kv_caches is None:
-            return ops.varlen_attention(q, k, v, ctx.cu_seqlens_q, ctx.max_seqlen_q, self.scale)
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        ops.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
-        return self.attend(q, ctx)
+        """Cache-free attention (plain forwards): q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq, D],
+        each sequence's new tokens attending to themselves. With a KV cache the model stores
+        k/v through ops.rope_and_store_kv and calls attend()."""
+        if ctx.kv_caches is not None:
+            raise ValueError("Attention.forward is the cache-free path; with a cache use attend()")
+        return ops.varlen_attention(q, k, v, ctx.cu_seqlens_q, ctx.max_seqlen_q, self.scale)
 
     def attend(self, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """q: [T, Hq, D] -> [T, Hq, D] over the paged cache, where this step's k/v are stored."""
