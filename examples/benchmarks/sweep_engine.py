@@ -1,0 +1,52 @@
+"""Time the `nano` workload under several engine settings on one built model (one load, one
+warm-up per setting), interleaving the settings round by round so drift hits all alike.
+
+Usage (CUDA machine, repo root):
+    python examples/benchmarks/sweep_engine.py PRESET ROUNDS SETTING [SETTING ...]
+SETTING is `default` or comma-separated key=value engine options, e.g.
+`decode_step_tokens=256,max_num_batched_tokens=16384`. Prints each run, then per setting the
+median wall time and output tok/s. Quote `batchgen bench` runs, not these, as results.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+from batchgen.bench.engine_run import build_bench, run_engine
+from batchgen.bench.workloads import nano
+from batchgen.config import EngineConfig
+
+
+def parse(setting: str) -> dict[str, int]:
+    if setting == "default":
+        return {}
+    pairs = (item.split("=", 1) for item in setting.split(","))
+    return {key: int(value) for key, value in pairs}
+
+
+def main() -> None:
+    preset, rounds, settings = sys.argv[1], int(sys.argv[2]), sys.argv[3:] or ["default"]
+    vocab = 151936 if preset.startswith("qwen") else 128256
+    w = nano(256, vocab)
+    config = EngineConfig(model="-", dtype="bfloat16", device="cuda")
+    bench = build_bench(config, preset, None, w.max_request_len())
+    walls: dict[str, list[float]] = {s: [] for s in settings}
+    for r in range(rounds):
+        for setting in settings:
+            result = run_engine(bench, w, **parse(setting))
+            walls[setting].append(result.wall_s)
+            rate = result.output_tokens / result.wall_s
+            print(
+                f"round {r} {setting:<48} {result.wall_s:6.2f} s {rate:9,.0f} tok/s "
+                f"{result.steps} steps {result.preemptions} preemptions",
+                flush=True,
+            )
+    print(f"{preset}: median of {rounds}")
+    for setting, values in walls.items():
+        wall = statistics.median(values)
+        print(f"  {setting:<48} {wall:6.2f} s {w.num_output_tokens / wall:9,.0f} tok/s")
+
+
+if __name__ == "__main__":
+    main()
