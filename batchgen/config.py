@@ -47,7 +47,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     cpu_kv_cache_gb: float = 1.0
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = 16384
     decode_step_tokens: int = 0
     max_model_len: int | None = None
     enable_prefix_caching: bool = True

@@ -48,25 +48,35 @@ class _PromptAllowance:
     A sequence is due when admitting it any later would make it end after the longest running
     sequence (`horizon` steps from now, less DUE_SLACK_STEPS), or when it was preempted or is a
     scoring sequence (nothing to align). Due prompts take what the token budget allows; their
-    tokens still count against `left`.
+    tokens still count against `left`. Of the others, one chunk rides in a step: the runner
+    replays such a step (decode rows + one prompt chunk) as a CUDA graph.
     """
 
     def __init__(self, left: int, horizon: int) -> None:
         self.left = left
         self.horizon = horizon
+        self.chunk_taken = False
 
     def is_due(self, seq: Sequence) -> bool:
         if seq.is_score or seq.num_preemptions:
             return True
         return _remaining_steps(seq) + DUE_SLACK_STEPS >= self.horizon
 
+    def blocks(self, seq: Sequence) -> bool:
+        """True when seq, not due, can get no prompt tokens in this step."""
+        return (self.chunk_taken or not self.left) and not self.is_due(seq)
+
     def peek(self, seq: Sequence, wanted: int) -> int:
         """Tokens of `wanted` this step may give seq."""
-        return wanted if self.is_due(seq) else min(wanted, self.left)
+        if self.is_due(seq):
+            return wanted
+        return 0 if self.chunk_taken else min(wanted, self.left)
 
     def take(self, seq: Sequence, wanted: int) -> int:
         """peek, and charge the tokens to this step."""
         n = self.peek(seq, wanted)
+        if n and not self.is_due(seq):
+            self.chunk_taken = True
         self.left = max(0, self.left - n)
         return n
 
@@ -276,7 +286,7 @@ class Scheduler:
             self._waiting_unsorted = False
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if allowance is not None and not allowance.left and not allowance.is_due(seq):
+            if allowance is not None and allowance.blocks(seq):
                 skipped.append(self.waiting.popleft())
                 continue
             computed = self._reusable_blocks(seq)

@@ -1,5 +1,5 @@
-"""Time the `nano` workload under several engine settings on one built model (one load, one
-warm-up per setting), interleaving the settings round by round so drift hits all alike.
+"""Time the `nano` workload under several engine settings: per setting, build the random-weight
+model and runner (the runner's CUDA graphs depend on the settings), then run it ROUNDS times.
 
 Usage (CUDA machine, repo root):
     python examples/benchmarks/sweep_engine.py PRESET ROUNDS SETTING [SETTING ...]
@@ -10,8 +10,11 @@ median wall time and output tok/s. Quote `batchgen bench` runs, not these, as re
 
 from __future__ import annotations
 
+import gc
 import statistics
 import sys
+
+import torch
 
 from batchgen.bench.engine_run import build_bench, run_engine
 from batchgen.bench.workloads import nano
@@ -29,12 +32,12 @@ def main() -> None:
     preset, rounds, settings = sys.argv[1], int(sys.argv[2]), sys.argv[3:] or ["default"]
     vocab = 151936 if preset.startswith("qwen") else 128256
     w = nano(256, vocab)
-    config = EngineConfig(model="-", dtype="bfloat16", device="cuda")
-    bench = build_bench(config, preset, None, w.max_request_len())
     walls: dict[str, list[float]] = {s: [] for s in settings}
-    for r in range(rounds):
-        for setting in settings:
-            result = run_engine(bench, w, **parse(setting))
+    for setting in settings:
+        config = EngineConfig(model="-", dtype="bfloat16", device="cuda", **parse(setting))
+        bench = build_bench(config, preset, None, w.max_request_len())
+        for r in range(rounds):
+            result = run_engine(bench, w)
             walls[setting].append(result.wall_s)
             rate = result.output_tokens / result.wall_s
             print(
@@ -42,6 +45,9 @@ def main() -> None:
                 f"{result.steps} steps {result.preemptions} preemptions",
                 flush=True,
             )
+        del bench
+        gc.collect()
+        torch.cuda.empty_cache()
     print(f"{preset}: median of {rounds}")
     for setting, values in walls.items():
         wall = statistics.median(values)
