@@ -25,10 +25,6 @@ class EngineConfig:
         cpu_kv_cache_gb: KV-cache size on CPU when num_kv_blocks is None.
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: most tokens (prefill + decode) in one step.
-        decode_step_tokens: 0 (off), or the token total that a step with decode rows is filled
-            to with prompt chunks: prompts are then admitted longest max_tokens first and ride
-            in the spare compute of memory-bound decode steps, except those that are due
-            (admitting them later would make them end after the longest running sequence).
         max_model_len: longest prompt + output; None takes the model's own limit.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
         enforce_eager: never use CUDA graphs.
@@ -48,7 +44,6 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 1.0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
-    decode_step_tokens: int = 0
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -75,10 +70,6 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1")
-        if self.decode_step_tokens < 0:
-            raise ConfigError(
-                f"decode_step_tokens={self.decode_step_tokens}: must be >= 0 (0 turns it off)"
-            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 2")
 

@@ -56,12 +56,6 @@ from batchgen.config import ConfigError, EngineConfig
 @click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
 @click.option("--max-num-seqs", type=int, default=None)
 @click.option("--max-num-batched-tokens", type=int, default=None)
-@click.option(
-    "--decode-step-tokens",
-    type=int,
-    default=None,
-    help="Fill decode steps to this many tokens with prompt chunks (0: off).",
-)
 @click.option("--gpu-memory-utilization", type=float, default=None)
 @click.option("--num-kv-blocks", type=int, default=None)
 @click.option("--block-size", type=int, default=None)
@@ -81,7 +75,6 @@ def bench(**kw) -> None:
     engine_keys = (
         "max_num_seqs",
         "max_num_batched_tokens",
-        "decode_step_tokens",
         "gpu_memory_utilization",
         "num_kv_blocks",
         "block_size",

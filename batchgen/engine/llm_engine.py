@@ -73,7 +73,6 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
-            decode_step_tokens=config.decode_step_tokens,
         )
         self.stats = EngineStats()
         self._seq_ids = itertools.count()

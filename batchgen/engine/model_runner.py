@@ -10,7 +10,6 @@ import torch
 from batchgen.config import ConfigError, EngineConfig
 from batchgen.engine.cuda_graph import DecodeGraphs
 from batchgen.engine.host_to_device import PinnedStager
-from batchgen.engine.mixed_graph import MixedGraphs
 from batchgen.engine.sampler import Sampler, SamplingBatch
 from batchgen.engine.scheduler_output import ScheduledSequence
 from batchgen.engine.step_handle import StepHandle
@@ -81,7 +80,7 @@ class ModelRunner:
         self.kv_caches = [
             (self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(c.num_hidden_layers)
         ]
-        self.graphs = self.mixed_graphs = None
+        self.graphs = None
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.graphs = DecodeGraphs(
                 self.model,
@@ -91,17 +90,6 @@ class ModelRunner:
                 self.block_size,
                 self.stager.to_device,
             )
-            if self.config.decode_step_tokens > 1:
-                self.mixed_graphs = MixedGraphs(
-                    self.model,
-                    self.kv_caches,
-                    self.graphs.sizes,
-                    self.config.decode_step_tokens,
-                    max_model_len,
-                    self.block_size,
-                    self.stager.to_device,
-                    self.graphs.pool,
-                )
 
     def block_bytes(self) -> int:
         c = self.model_config
@@ -187,12 +175,8 @@ class ModelRunner:
         patch = None
         if step.pending_rows:
             patch = self._pending_patch(step, previous)
-        sample_rows = step.sample_rows
         if self.graphs is not None and self.graphs.can_run(step):
             hidden = self.graphs.run(step, patch)  # [B, H]
-        elif self.mixed_graphs is not None and self.mixed_graphs.can_run(step):
-            hidden = self.mixed_graphs.run(step, patch)  # [bs + chunk capacity, H]
-            sample_rows = self.mixed_graphs.graph_rows(step, sample_rows)
         else:
             input_ids = self._tensor(step.input_ids, torch.int64)
             if patch is not None:
@@ -200,8 +184,8 @@ class ModelRunner:
             positions = self._tensor(step.positions, torch.int64)
             hidden = self.model(input_ids, positions, self._context(step))  # [T, H]
         tokens = raw_logprobs = None
-        if sample_rows:
-            rows = self._tensor(sample_rows, torch.int64)
+        if step.sample_rows:
+            rows = self._tensor(step.sample_rows, torch.int64)
             logits = self.model.compute_logits(hidden[rows])  # [N, V], the model's dtype
             tokens, raw_logprobs = self.sampler.sample(logits, sampling)
         sample_ids = [item.seq.seq_id for item in scheduled if item.samples]

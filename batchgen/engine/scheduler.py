@@ -22,63 +22,9 @@ class AddError(NamedTuple):
 # its decodes without preempting (and recomputing) the prompts admitted last.
 GROWTH_RESERVE_FRACTION = 0.1
 
-# decode_step_tokens: a deferred prompt becomes due this many steps before deferring it any
-# longer would make it end after the longest running sequence (its prefill takes a few steps).
-DUE_SLACK_STEPS = 16
-
 
 def _batch_order(item: ScheduledSequence) -> tuple[bool, int]:
     return (item.num_new_tokens != 1, -item.start if item.num_new_tokens == 1 else 0)
-
-
-def _remaining_steps(seq: Sequence) -> int:
-    """Decode steps seq may still take (its max_tokens not yet generated)."""
-    return seq.params.max_tokens - max(seq.num_output_tokens, 0)
-
-
-def _admission_order(seq: Sequence) -> tuple[bool, int]:
-    """decode_step_tokens: preempted sequences first, then longest remaining max_tokens (a
-    stable sort keeps submission order among equals, so samples follow their parent)."""
-    return (seq.num_preemptions == 0, -_remaining_steps(seq) if not seq.is_score else 0)
-
-
-class _PromptAllowance:
-    """Prompt tokens one decode step may still carry for sequences that are not due.
-
-    A sequence is due when admitting it any later would make it end after the longest running
-    sequence (`horizon` steps from now, less DUE_SLACK_STEPS), or when it was preempted or is a
-    scoring sequence (nothing to align). Due prompts take what the token budget allows; their
-    tokens still count against `left`. Of the others, one chunk rides in a step: the runner
-    replays such a step (decode rows + one prompt chunk) as a CUDA graph.
-    """
-
-    def __init__(self, left: int, horizon: int) -> None:
-        self.left = left
-        self.horizon = horizon
-        self.chunk_taken = False
-
-    def is_due(self, seq: Sequence) -> bool:
-        if seq.is_score or seq.num_preemptions:
-            return True
-        return _remaining_steps(seq) + DUE_SLACK_STEPS >= self.horizon
-
-    def blocks(self, seq: Sequence) -> bool:
-        """True when seq, not due, can get no prompt tokens in this step."""
-        return (self.chunk_taken or not self.left) and not self.is_due(seq)
-
-    def peek(self, seq: Sequence, wanted: int) -> int:
-        """Tokens of `wanted` this step may give seq."""
-        if self.is_due(seq):
-            return wanted
-        return 0 if self.chunk_taken else min(wanted, self.left)
-
-    def take(self, seq: Sequence, wanted: int) -> int:
-        """peek, and charge the tokens to this step."""
-        n = self.peek(seq, wanted)
-        if n and not self.is_due(seq):
-            self.chunk_taken = True
-        self.left = max(0, self.left - n)
-        return n
 
 
 class Scheduler:
@@ -91,19 +37,12 @@ class Scheduler:
     GROWTH_RESERVE_FRACTION of the cache). Samples 1..n-1 of a request wait for sample 0 to
     compute its prompt and then share its prompt blocks.
 
-    With `decode_step_tokens` > 0, prompts ride in decode steps instead (see `_prompt_allowance`):
-    waiting sequences are admitted longest remaining max_tokens first, and a step that has
-    decode rows carries prompt tokens only up to that many tokens in all, except for prompts
-    that are due (deferring them further would lengthen the batch's tail).
-
     Args:
         block_manager: the KV block pool.
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: most tokens (prefill + decode) in one step.
         max_model_len: longest sequence (prompt + output) allowed.
         eos_token_ids: tokens that end generation (unless params.ignore_eos).
-        decode_step_tokens: 0 (off), or the token total a step with decode rows is filled to
-            with prompt chunks of sequences that are not yet due.
     """
 
     def __init__(
@@ -114,16 +53,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: frozenset[int],
-        decode_step_tokens: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.decode_step_tokens = decode_step_tokens
         self.waiting: deque[Sequence] = deque()
-        self._waiting_unsorted = False  # decode_step_tokens: re-sort before admitting
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
 
@@ -156,7 +92,6 @@ class Scheduler:
             seq.status = SequenceStatus.FINISHED
             return error
         self.waiting.append(seq)
-        self._waiting_unsorted = True
         return None
 
     def check_servable(self, seq: Sequence) -> AddError | None:
@@ -205,12 +140,11 @@ class Scheduler:
         """Pick this step's work: running sequences first, then admissions (see the class)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        allowance = self._prompt_allowance()
-        self._schedule_running(out, budget, allowance)
+        self._schedule_running(out, budget)
         budget -= out.num_batched_tokens
         # After a preemption, blocks are short: admitting now would only thrash.
         if not out.preempted:
-            self._schedule_waiting(out, budget, self._prefixes_in_prefill(), allowance)
+            self._schedule_waiting(out, budget, self._prefixes_in_prefill())
         assert out.scheduled or not self.has_unfinished(), (
             "scheduler stalled with nothing running: add() should have rejected "
             f"{self.waiting[0] if self.waiting else None}"
@@ -223,35 +157,12 @@ class Scheduler:
         out.scheduled.sort(key=_batch_order)
         return out
 
-    def _prompt_allowance(self) -> _PromptAllowance | None:
-        """With decode_step_tokens on and sequences decoding: what this step may spend on
-        prompts that are not due. None when prompts take the whole token budget."""
-        if not self.decode_step_tokens:
-            return None
-        num_decoding = 0
-        horizon = 0
-        for seq in self.running:
-            if seq.num_tokens - seq.num_computed_tokens == 1:
-                num_decoding += 1
-            if not seq.is_score:
-                horizon = max(horizon, _remaining_steps(seq))
-        if not num_decoding:
-            return None  # nothing to ride along with: fill the step
-        return _PromptAllowance(max(0, self.decode_step_tokens - num_decoding), horizon)
-
-    def _schedule_running(
-        self, out: SchedulerOutput, budget: int, allowance: _PromptAllowance | None
-    ) -> None:
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             assert num_new > 0, f"running {seq} has nothing to compute"
-            if allowance is not None and num_new > 1:  # a prompt chunk
-                num_new = allowance.take(seq, num_new)
-                if not num_new:
-                    i += 1
-                    continue
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()  # newest admission; never one already scheduled
                 self._preempt(victim)
@@ -263,14 +174,9 @@ class Scheduler:
             i += 1
 
     def _schedule_waiting(
-        self,
-        out: SchedulerOutput,
-        budget: int,
-        pending: set[tuple[int, ...]],
-        allowance: _PromptAllowance | None,
+        self, out: SchedulerOutput, budget: int, pending: set[tuple[int, ...]]
     ) -> None:
-        """Admit waiting sequences FIFO (longest remaining max_tokens first, preempted ones
-        ahead, when decode_step_tokens is on).
+        """Admit waiting sequences FIFO.
 
         `pending` holds prefixes whose last block is being computed (by running prefills, then
         by this step's admissions too). A waiting sequence whose next uncached block ends one of
@@ -281,14 +187,8 @@ class Scheduler:
         skipped: list[Sequence] = []  # siblings awaiting their parent; sequences deferred
         cap = int(GROWTH_RESERVE_FRACTION * bm.num_blocks)
         reserve = min(sum(self._growth_blocks(seq) for seq in self.running), cap)
-        if self.decode_step_tokens and self._waiting_unsorted:
-            self.waiting = deque(sorted(self.waiting, key=_admission_order))
-            self._waiting_unsorted = False
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if allowance is not None and allowance.blocks(seq):
-                skipped.append(self.waiting.popleft())
-                continue
             computed = self._reusable_blocks(seq)
             if computed is None:
                 skipped.append(self.waiting.popleft())
@@ -299,12 +199,8 @@ class Scheduler:
                 continue
             num_computed = len(computed) * bm.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
-            if allowance is not None:
-                num_new = allowance.peek(seq, num_new)
             if not bm.allocate_slots(seq, num_new, computed, reserve=reserve):
                 break  # no head-of-line skipping: wait for blocks to free up
-            if allowance is not None:
-                allowance.take(seq, num_new)
             reserve = min(reserve + self._growth_blocks(seq), cap)
             self.waiting.popleft()
             if next_prefix is not None:
@@ -374,7 +270,6 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        self._waiting_unsorted = True
 
     # ---- after the model ran -----------------------------------------------------------------
     def advance(self, output: SchedulerOutput) -> list[tuple[int, Sequence, int]]:

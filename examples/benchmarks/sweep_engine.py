@@ -4,7 +4,7 @@ model and runner (the runner's CUDA graphs depend on the settings), then run it 
 Usage (CUDA machine, repo root):
     python examples/benchmarks/sweep_engine.py PRESET ROUNDS SETTING [SETTING ...]
 SETTING is `default` or comma-separated key=value engine options, e.g.
-`decode_step_tokens=256,max_num_batched_tokens=16384`. Prints each run, then per setting the
+`max_num_batched_tokens=16384,max_num_seqs=128`. Prints each run, then per setting the
 median wall time and output tok/s. Quote `batchgen bench` runs, not these, as results.
 """
 

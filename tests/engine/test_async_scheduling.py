@@ -9,7 +9,6 @@ import random
 import pytest
 
 from batchgen.config import EngineConfig
-from batchgen.engine import scheduler as scheduler_module
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.scheduler import Scheduler
@@ -148,31 +147,3 @@ def test_async_outputs_equal_sync(model_path, options, monkeypatch):
         assert a.num_cached_tokens == s.num_cached_tokens
     # Nothing left behind: every block back in the pool.
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-
-
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"num_kv_blocks": 512, "max_num_batched_tokens": 64},
-        {"num_kv_blocks": 40, "block_size": 8, "max_num_batched_tokens": 64},  # preemption
-    ],
-    ids=["plain", "preemption"],
-)
-def test_decode_step_tokens_changes_order_not_outputs(model_path, options, monkeypatch):
-    """Prompts riding in decode steps (longest max_tokens first, capped chunks) give every
-    request the same outputs as filling each step with prompts in FIFO order."""
-    want, _ = _run(model_path, True, **options)
-    capped = []
-    take = scheduler_module._PromptAllowance.take
-
-    def spy_take(self, seq, wanted):
-        n = take(self, seq, wanted)
-        capped.append(n < wanted)
-        return n
-
-    monkeypatch.setattr(scheduler_module._PromptAllowance, "take", spy_take)
-    # Outputs here are at most 40 tokens: with the default slack every prompt would be due.
-    monkeypatch.setattr(scheduler_module, "DUE_SLACK_STEPS", 0)
-    got, _ = _run(model_path, True, decode_step_tokens=24, **options)
-    _same(got, want)
-    assert any(capped)  # some prompt chunk was held to the cap

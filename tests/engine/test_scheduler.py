@@ -5,7 +5,7 @@ import random
 import pytest
 
 from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.scheduler import DUE_SLACK_STEPS, Scheduler
+from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from batchgen.sampling_params import SamplingParams
 
@@ -125,7 +125,6 @@ def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
         eos_token_ids=frozenset({EOS}),
-        decode_step_tokens=kw.pop("decode_step_tokens", 0),
     )
 
 
@@ -377,7 +376,6 @@ def test_randomized_invariants(seed, async_steps):
         budget=rng.randint(1, 40),
         max_model_len=max_model_len,
         enable_prefix_caching=rng.random() < 0.7,
-        decode_step_tokens=rng.choice([0, 0, 1, rng.randint(2, 24)]),
     )
     shared = [rng.randrange(VOCAB) for _ in range(rng.randint(0, 30))]  # common prefixes
     seqs, seq_id = [], 0
@@ -497,83 +495,3 @@ def test_admission_keeps_blocks_for_running_growth():
         sched.postprocess(out := sched.schedule(), runner.step(out))
     sched.postprocess(out := sched.schedule(), runner.step(out))
     assert b.is_finished and sched.num_preemptions == 0
-
-
-def run_logged(sched, seqs):
-    """run_to_completion, recording each step's (decode rows, prompt tokens, admitted ids)."""
-    log = []
-    schedule = sched.schedule
-
-    def logged():
-        out = schedule()
-        decodes = sum(s.num_new_tokens == 1 and s.start > 0 for s in out.scheduled)
-        admitted = [s.seq.seq_id for s in out.scheduled if s.start == 0]
-        log.append((decodes, out.num_batched_tokens - decodes, admitted))
-        return out
-
-    sched.schedule = logged
-    run_to_completion(sched, seqs)
-    return log
-
-
-def test_decode_step_tokens_admits_longest_first_and_rides_along():
-    # Budget 64, decode steps filled to 12 tokens. Prompts of 8 tokens, max_tokens 40 .. 5.
-    sched = make_sched(
-        num_blocks=400, block_size=4, max_num_seqs=8, budget=64, decode_step_tokens=12
-    )
-    seqs = [gen(i, [i + 1] * 8, max_tokens=5 + 5 * i, ignore_eos=True) for i in range(8)]
-    log = run_logged(sched, seqs)
-    admitted = [i for _, _, ids in log for i in ids]
-    assert admitted == list(range(7, -1, -1))  # longest max_tokens first
-    first_decodes, first_prompt, first_ids = log[0]
-    assert first_decodes == 0 and first_prompt == 64 and first_ids == [7, 6, 5, 4, 3, 2, 1, 0]
-    assert_expected(seqs)
-
-
-def test_decode_step_tokens_caps_prompt_tokens_in_decode_steps():
-    # The first step (nothing decoding) fills the 16-token budget; later steps with decode
-    # rows carry at most 10 tokens unless a prompt is due.
-    sched = make_sched(
-        num_blocks=400, block_size=4, max_num_seqs=8, budget=16, decode_step_tokens=10
-    )
-    long = gen(0, [1] * 12, max_tokens=60, ignore_eos=True)
-    rest = [gen(i, [i + 1] * 12, max_tokens=30 + i, ignore_eos=True) for i in range(1, 6)]
-    log = run_logged(sched, [long] + rest)
-    assert log[0][1] == 16
-    horizon_ok = [(d, p) for d, p, _ in log[1:] if d]
-    assert horizon_ok and all(d + p <= 10 for d, p in horizon_ok)
-    # Every other request still ends no later than the longest one.
-    assert len(log) <= 60 + 2
-    assert_expected([long] + rest)
-
-
-def test_decode_step_tokens_admits_due_prompts_at_once():
-    # A short request arrives while two long ones decode. With a cap of 1 token nothing rides
-    # along, so it waits until it is due, then its whole prompt goes in one step despite the
-    # cap, and it still ends within the long ones' steps.
-    sched = make_sched(
-        num_blocks=400, block_size=4, max_num_seqs=8, budget=64, decode_step_tokens=1
-    )
-    longs = [gen(i, [i + 1] * 4, max_tokens=80, ignore_eos=True) for i in range(2)]
-    short = gen(2, [9] * 20, max_tokens=10, ignore_eos=True)
-    runner = FakeRunner(sched)
-    for seq in longs:
-        assert sched.add(seq) is None
-    sched.postprocess(out := sched.schedule(), runner.step(out))
-    assert sched.add(short) is None
-    steps = 1
-    admitted_at = None
-    while sched.has_unfinished():
-        out = sched.schedule()
-        steps += 1
-        if any(s.seq is short for s in out.scheduled) and admitted_at is None:
-            admitted_at = steps
-            assert [s.num_new_tokens for s in out.scheduled if s.seq is short] == [20]
-        else:
-            assert all(s.num_new_tokens == 1 for s in out.scheduled)
-        sched.postprocess(out, runner.step(out))
-        check_invariants(sched, longs + [short])
-    # Due once 10 + DUE_SLACK_STEPS steps cover the longs' remaining steps.
-    assert admitted_at == 80 - 10 - DUE_SLACK_STEPS + 1
-    assert steps == 80
-    assert_expected(longs + [short])
