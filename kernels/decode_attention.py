@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from .launch import check_dtype, check_launchable, interpreting, num_sms, pow2, tl, triton
+from .launch import (
+    check_caches,
+    check_dtype,
+    check_launchable,
+    interpreting,
+    num_sms,
+    pow2,
+    tl,
+    triton,
+)
 from .paged_attention import causal_attention_ref, gather_kv_ref
 
 _LOG2E = 1.4426950408889634
@@ -166,11 +175,7 @@ def paged_attention_decode(
     op = "paged_attention_decode"
     if q.dim() != 3:
         raise ValueError(f"{op}: q must be [B, Hq, D], got {tuple(q.shape)}")
-    if not (k_cache.dim() == 4 and k_cache.shape == v_cache.shape):
-        raise ValueError(
-            f"{op}: caches must be [NB, BS, Hk, D], "
-            f"got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
-        )
+    check_caches(op, k_cache, v_cache)
     B, HQ, D = q.shape
     _, bs, HK, _ = k_cache.shape
     if k_cache.shape[3] != D:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import check_dtype, check_launchable, pow2, tl, triton
+from .launch import check_caches, check_dtype, check_launchable, pow2, tl, triton
 
 
 @triton.jit
@@ -38,11 +38,7 @@ def _check_args(k, v, k_cache, v_cache, slot_mapping) -> None:
         raise ValueError(
             f"{op}: k and v must be [T, Hk, D], got {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if not (k_cache.dim() == 4 and k_cache.shape == v_cache.shape):
-        raise ValueError(
-            f"{op}: caches must be [NB, BS, Hk, D], "
-            f"got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
-        )
+    check_caches(op, k_cache, v_cache)
     if k_cache.shape[2:] != k.shape[1:]:
         raise ValueError(
             f"{op}: cache [.., .., Hk, D] = {tuple(k_cache.shape[2:])} "

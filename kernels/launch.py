@@ -42,6 +42,7 @@ except ImportError:
 __all__ = [
     "HAS_TRITON",
     "KERNEL_DTYPES",
+    "check_caches",
     "check_dtype",
     "check_launchable",
     "interpreting",
@@ -76,6 +77,15 @@ def check_launchable(op: str, *tensors: torch.Tensor) -> None:
         f"{op}: the Triton kernel needs all tensors on one CUDA device (got {', '.join(devices)}); "
         "CPU tensors run only under TRITON_INTERPRET=1, otherwise call batchgen.kernels.ops"
     )
+
+
+def check_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Check that the paged K and V caches are [NB, BS, Hk, D] of one shape."""
+    if not (k_cache.dim() == 4 and k_cache.shape == v_cache.shape):
+        raise ValueError(
+            f"{op}: caches must be [NB, BS, Hk, D], "
+            f"got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
 
 
 def check_dtype(op: str, name: str, t: torch.Tensor, allowed=KERNEL_DTYPES) -> None:

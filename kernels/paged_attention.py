@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import check_dtype, check_launchable, interpreting, pow2, tl, triton
+from .launch import check_caches, check_dtype, check_launchable, interpreting, pow2, tl, triton
 
 _LOG2E = 1.4426950408889634
 
@@ -209,11 +209,7 @@ def paged_attention(
         [T, Hq, D] in q.dtype.
     """
     op = "paged_attention"
-    if not (k_cache.dim() == 4 and k_cache.shape == v_cache.shape):
-        raise ValueError(
-            f"{op}: caches must be [NB, BS, Hk, D], "
-            f"got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
-        )
+    check_caches(op, k_cache, v_cache)
     _check_q(op, q, k_cache.shape[2], k_cache.shape[3])
     if not (k_cache.dtype == v_cache.dtype == q.dtype):
         raise ValueError(

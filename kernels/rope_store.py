@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .kv_cache import store_kvcache_ref
-from .launch import check_dtype, check_launchable, pow2, tl, triton
+from .launch import check_caches, check_dtype, check_launchable, pow2, tl, triton
 from .rms_norm import rms_norm_ref
 from .rotary import check_positions_and_table, rotary_embedding_ref
 
@@ -78,11 +78,7 @@ def _rope_store_kv_kernel(
 
 def _check_args(op, qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_cache, v_cache,
                 slot_mapping, q_norm_weight, k_norm_weight) -> None:  # fmt: skip
-    if not (k_cache.dim() == 4 and k_cache.shape == v_cache.shape):
-        raise ValueError(
-            f"{op}: caches must be [NB, BS, Hk, D], "
-            f"got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
-        )
+    check_caches(op, k_cache, v_cache)
     hk, d = k_cache.shape[2], k_cache.shape[3]
     if hk != num_kv_heads:
         raise ValueError(f"{op}: cache has {hk} kv heads, expected num_kv_heads={num_kv_heads}")
