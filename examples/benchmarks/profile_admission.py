@@ -15,6 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from batchgen.bench.engine_run import build_bench, drain, submit
+from batchgen.bench.random_model import preset_config
 from batchgen.bench.workloads import nano, warmup_workload
 from batchgen.config import EngineConfig
 
@@ -34,7 +35,7 @@ def main() -> None:
     preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"
     # Prefix caching off: the timed and the profiled pass submit the same prompts.
     config = EngineConfig(model="-", dtype="bfloat16", device="cuda", enable_prefix_caching=False)
-    vocab = 151936 if preset.startswith("qwen") else 128256
+    vocab = preset_config(preset)["vocab_size"]
     w = nano(256, vocab)
     bench = build_bench(config, preset, None, w.max_request_len())
     engine = bench.engine()

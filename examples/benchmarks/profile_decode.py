@@ -15,6 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from batchgen.bench.engine_run import build_bench, submit
+from batchgen.bench.random_model import preset_config
 from batchgen.bench.workloads import nano
 from batchgen.config import EngineConfig
 
@@ -24,7 +25,7 @@ def main() -> None:
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 30
     requests = int(sys.argv[3]) if len(sys.argv) > 3 else 256
     config = EngineConfig(model="-", dtype="bfloat16", device="cuda")
-    vocab = 151936 if preset.startswith("qwen") else 128256
+    vocab = preset_config(preset)["vocab_size"]
     w = nano(requests, vocab)
     bench = build_bench(config, preset, None, w.max_request_len())
     engine = bench.engine()

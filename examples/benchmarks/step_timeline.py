@@ -19,6 +19,7 @@ from collections import defaultdict
 import torch
 
 from batchgen.bench.engine_run import build_bench, submit
+from batchgen.bench.random_model import preset_config
 from batchgen.bench.workloads import nano
 from batchgen.config import EngineConfig
 
@@ -80,7 +81,7 @@ def main() -> None:
     preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"
     modes = sys.argv[2:] or ["async", "sync"]
     config = EngineConfig(model="-", dtype="bfloat16", device="cuda")
-    vocab = 151936 if preset.startswith("qwen") else 128256
+    vocab = preset_config(preset)["vocab_size"]
     w = nano(256, vocab)
     bench = build_bench(config, preset, None, w.max_request_len())
     timeline(bench, nano(8, vocab), "async")  # warm-up: kernels compiled, graphs used once

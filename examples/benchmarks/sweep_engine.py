@@ -17,6 +17,7 @@ import sys
 import torch
 
 from batchgen.bench.engine_run import build_bench, run_engine
+from batchgen.bench.random_model import preset_config
 from batchgen.bench.workloads import nano
 from batchgen.config import EngineConfig
 
@@ -30,7 +31,7 @@ def parse(setting: str) -> dict[str, int]:
 
 def main() -> None:
     preset, rounds, settings = sys.argv[1], int(sys.argv[2]), sys.argv[3:] or ["default"]
-    vocab = 151936 if preset.startswith("qwen") else 128256
+    vocab = preset_config(preset)["vocab_size"]
     w = nano(256, vocab)
     walls: dict[str, list[float]] = {s: [] for s in settings}
     for setting in settings:
