@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from batchgen.kernels.activation import silu_and_mul, silu_and_mul_ref
+from batchgen.kernels.launch import KERNEL_DTYPES
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPES = list(KERNEL_DTYPES)  # every dtype the kernels are built for
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

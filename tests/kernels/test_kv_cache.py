@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from batchgen.kernels.kv_cache import store_kvcache, store_kvcache_ref
+from batchgen.kernels.launch import KERNEL_DTYPES
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPES = list(KERNEL_DTYPES)  # every dtype the kernels are built for
 
 
 def _case(T, nb, bs, hk, d, dtype, device):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batchgen.kernels.launch import KERNEL_DTYPES
 from batchgen.kernels.logprobs import token_logprobs, token_logprobs_ref
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPES = list(KERNEL_DTYPES)  # every dtype the kernels are built for
 
 
 def _case(n, vocab, dtype, device, seed=0):

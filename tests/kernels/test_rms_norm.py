@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batchgen.kernels.launch import KERNEL_DTYPES
 from batchgen.kernels.rms_norm import (
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
@@ -11,7 +12,7 @@ from batchgen.kernels.rms_norm import (
     rms_norm_ref,
 )
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPES = list(KERNEL_DTYPES)  # every dtype the kernels are built for
 SHAPES = [(1, 16), (7, 48), (5, 1000), (3, 4096)]
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from batchgen.kernels.kv_cache import store_kvcache
+from batchgen.kernels.launch import KERNEL_DTYPES
 from batchgen.kernels.rms_norm import rms_norm
 from batchgen.kernels.rope_store import rope_and_store_kv, rope_and_store_kv_ref
 from batchgen.kernels.rotary import build_cos_sin_cache, rotary_embedding
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPES = list(KERNEL_DTYPES)  # every dtype the kernels are built for
 
 
 def _case(T, hq, hk, d, dtype, device, qk_norm, nb=6, bs=8, seed=0):

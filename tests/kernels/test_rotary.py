@@ -7,9 +7,10 @@ import math
 
 import pytest
 import torch
+from batchgen.kernels.launch import KERNEL_DTYPES
 from batchgen.kernels.rotary import build_cos_sin_cache, rotary_embedding, rotary_embedding_ref
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPES = list(KERNEL_DTYPES)  # every dtype the kernels are built for
 LLAMA3 = {
     "rope_type": "llama3",
     "factor": 8.0,
