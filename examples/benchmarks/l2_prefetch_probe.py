@@ -1,0 +1,121 @@
+"""Probe: does prefetching the next projection's weights into L2 (from the small Triton kernel
+that runs before it) shorten cuBLAS decode GEMMs? A CUDA graph of 28 qwen3-0.6b-shaped layers
+(norm -> qkv, copy -> o, norm -> gate_up, act -> down), timed with the prefetch off and on.
+
+Usage (CUDA machine, repo root): python examples/benchmarks/l2_prefetch_probe.py
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LAYERS, H, Q, KV, INTER = 28, 1024, 2048, 1024, 3072
+# (label, prefetch on, bytes per prefetch instruction)
+VARIANTS = [("off", False, 1 << 16), ("on 64K", True, 1 << 16), ("on 1M", True, 1 << 20),
+            ("on 16M", True, 1 << 24)]  # fmt: skip
+
+
+@triton.jit
+def _row_kernel(x_ptr, out_ptr, stride_x, stride_out, N, pf_ptr, pf_bytes,
+                MODE: tl.constexpr, PREFETCH: tl.constexpr, CHUNK: tl.constexpr,
+                BLOCK: tl.constexpr):  # fmt: skip
+    # One row per program; MODE 0 = rms-like scale, 1 = copy, 2 = silu(gate) * up.
+    if PREFETCH:
+        n = tl.num_programs(0)
+        share = tl.cdiv(tl.cdiv(pf_bytes, 16), n) * 16
+        lo = tl.program_id(0).to(tl.int64) * share
+        hi = tl.minimum(lo + share, pf_bytes)
+        for off in range(lo, hi, CHUNK):
+            size = tl.minimum(CHUNK, hi - off).to(tl.int32)
+            tl.inline_asm_elementwise(
+                "cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;",
+                "=r,l,r",
+                [pf_ptr + off, size],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < N
+    if MODE == 2:
+        g = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * stride_x + N + cols, mask=m, other=0.0).to(tl.float32)
+        y = g / (1.0 + tl.exp(-g)) * u
+    else:
+        y = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+        if MODE == 0:
+            y = y * tl.rsqrt(tl.sum(y * y, 0) / N + 1e-6)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def row_op(x, n, mode, prefetch, chunk, weight):
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    pf = weight.view(torch.uint8)
+    _row_kernel[(x.shape[0],)](
+        x, out, x.stride(0), out.stride(0), n, pf, pf.numel(),
+        MODE=mode, PREFETCH=prefetch, CHUNK=chunk, BLOCK=triton.next_power_of_2(n), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    bf = torch.bfloat16
+    layers = [
+        dict(
+            qkv=torch.randn(Q + 2 * KV, H, device=dev, dtype=bf) * 0.02,
+            o=torch.randn(H, Q, device=dev, dtype=bf) * 0.02,
+            gu=torch.randn(2 * INTER, H, device=dev, dtype=bf) * 0.02,
+            d=torch.randn(H, INTER, device=dev, dtype=bf) * 0.02,
+        )
+        for _ in range(LAYERS)
+    ]
+    flush = torch.empty(512 << 20, dtype=torch.uint8, device=dev)  # evicts L2 between replays
+
+    def forward(x, prefetch, chunk):
+        for w in layers:
+            h = row_op(x, H, 0, prefetch, chunk, w["qkv"])
+            qkv = h @ w["qkv"].T
+            a = row_op(qkv, Q, 1, prefetch, chunk, w["o"])
+            o = a @ w["o"].T
+            h = row_op(o, H, 0, prefetch, chunk, w["gu"])
+            gu = h @ w["gu"].T
+            act = row_op(gu, INTER, 2, prefetch, chunk, w["d"])
+            x = act @ w["d"].T
+        return x
+
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    for m in (4, 32, 64, 128, 256):
+        x = torch.randn(m, H, device=dev, dtype=bf)
+        results = {}
+        for label, prefetch, chunk in VARIANTS:
+            ref = forward(x, False, 1 << 16)
+            out = forward(x, prefetch, chunk)
+            torch.cuda.synchronize()
+            assert torch.equal(ref, out), "prefetch changed the result"
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                forward(x, prefetch, chunk)
+            times = []
+            for _ in range(30):
+                flush.zero_()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                g.replay()
+                e.record()
+                torch.cuda.synchronize()
+                times.append(s.elapsed_time(e) * 1e3)
+            times.sort()
+            results[label] = times[len(times) // 2]
+        base = results["off"]
+        line = ", ".join(f"{k} {v:7.1f} us" for k, v in results.items())
+        print(f"M={m:4d}: {line}; per layer off {base / LAYERS:.2f} us, "
+              f"best on {min(results.values()) / LAYERS:.2f} us")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
