@@ -221,8 +221,8 @@ RAGGED_DECODE_CASES = {
     "decode B=32 ragged 500-2048 (qwen3-0.6B heads)": (32, 500, 2048, 16, 8),
     "decode B=128 ragged 100-2048 (llama-8B heads)": (128, 100, 2048, 32, 8),
 }
-# (BLOCK_N, warps, stages). The block-table load takes one pipeline stage, so K/V get
-# num_stages - 2 buffers: 3 stages single-buffer them, 4+ overlap tiles.
+# (BLOCK_N, warps, stages). The block-table load takes a pipeline stage of its own: 3 or 4
+# stages give K/V one buffer, 5 or 6 give two (examples/benchmarks/pipeline_buffers.py).
 RAGGED_TILES = [
     (32, 4, 6), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2),
     (64, 4, 4), (64, 4, 5), (64, 8, 5), (128, 4, 3), (128, 8, 4),
