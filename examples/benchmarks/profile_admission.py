@@ -12,12 +12,10 @@ import sys
 import time
 
 import torch
+from nano_engine import warm_nano_engine
 from torch.profiler import ProfilerActivity, profile
 
-from batchgen.bench.engine_run import build_bench, drain, submit
-from batchgen.bench.random_model import preset_config
-from batchgen.bench.workloads import nano, warmup_workload
-from batchgen.config import EngineConfig
+from batchgen.bench.engine_run import drain, submit
 
 
 def admit(engine) -> int:
@@ -33,14 +31,8 @@ def admit(engine) -> int:
 
 def main() -> None:
     preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"
-    # Prefix caching off: the timed and the profiled pass submit the same prompts.
-    config = EngineConfig(model="-", dtype="bfloat16", device="cuda", enable_prefix_caching=False)
-    vocab = preset_config(preset)["vocab_size"]
-    w = nano(256, vocab)
-    bench = build_bench(config, preset, None, w.max_request_len())
-    engine = bench.engine()
-    submit(engine, warmup_workload(w, vocab, 16), "warmup-")
-    drain(engine)
+    # Prefix caching off there: the timed and the profiled pass submit the same prompts.
+    engine, w = warm_nano_engine(preset)
     for label in ("timed", "profiled"):
         submit(engine, w, label)
         torch.cuda.synchronize()

@@ -13,12 +13,10 @@ import time
 from collections import defaultdict
 
 import torch
+from nano_engine import warm_nano_engine
 from torch.profiler import ProfilerActivity, profile
 
-from batchgen.bench.engine_run import build_bench, drain, submit
-from batchgen.bench.random_model import preset_config
-from batchgen.bench.workloads import nano, warmup_workload
-from batchgen.config import EngineConfig
+from batchgen.bench.engine_run import drain, submit
 
 # Substrings of kernel names -> the kind reported; the first match wins.
 KINDS = [
@@ -43,13 +41,7 @@ def kind(name: str) -> str:
 
 def main() -> None:
     preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"
-    config = EngineConfig(model="-", dtype="bfloat16", device="cuda", enable_prefix_caching=False)
-    vocab = preset_config(preset)["vocab_size"]
-    w = nano(256, vocab)
-    bench = build_bench(config, preset, None, w.max_request_len())
-    engine = bench.engine()
-    submit(engine, warmup_workload(w, vocab, 16), "warmup-")
-    drain(engine)
+    engine, w = warm_nano_engine(preset)
     submit(engine, w, "untimed-")
     drain(engine)
     submit(engine, w, "timed-")

@@ -1,0 +1,20 @@
+"""The engine the profiling scripts share: a random-weight preset on CUDA, prefix caching off
+(so repeated passes over the same prompts all compute), warmed up on nano-shaped requests."""
+
+from __future__ import annotations
+
+from batchgen.bench.engine_run import build_bench, drain, submit
+from batchgen.bench.random_model import preset_config
+from batchgen.bench.workloads import Workload, nano, warmup_workload
+from batchgen.config import EngineConfig
+
+
+def warm_nano_engine(preset: str):
+    """(engine, the 256-request nano workload) with kernels compiled and graphs captured."""
+    config = EngineConfig(model="-", dtype="bfloat16", device="cuda", enable_prefix_caching=False)
+    vocab = preset_config(preset)["vocab_size"]
+    w: Workload = nano(256, vocab)
+    engine = build_bench(config, preset, None, w.max_request_len()).engine()
+    submit(engine, warmup_workload(w, vocab, 16), "warmup-")
+    drain(engine)
+    return engine, w
