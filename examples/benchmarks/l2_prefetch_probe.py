@@ -92,8 +92,8 @@ def main() -> None:
     for m in (4, 32, 64, 128, 256):
         x = torch.randn(m, H, device=dev, dtype=bf)
         results = {}
+        ref = forward(x, False, 1 << 16)
         for label, prefetch, chunk in VARIANTS:
-            ref = forward(x, False, 1 << 16)
             out = forward(x, prefetch, chunk)
             torch.cuda.synchronize()
             assert torch.equal(ref, out), "prefetch changed the result"
