@@ -3,8 +3,6 @@ Triton kernels with GQA packing, and the torch reference."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from .launch import (
@@ -28,43 +26,14 @@ HEADS_FIRST = True
 
 
 @triton.jit
-def _norm_rope_rows(row_ptrs, d, mask, w_ptr, cs_row, eps, HEAD_DIM: tl.constexpr,
-                    QK_NORM: tl.constexpr):  # fmt: skip
-    # Head vectors at row_ptrs + d ([R, 1] + [1, BLOCK_D] -> [R, BLOCK_D]): RMS-normalised
-    # (QK_NORM) and rotated neox style, as rope_store's kernel rounds them: the norm's output in
-    # the input dtype, then the rotation in fp32 rounded once. Column d pairs with column
-    # d +- HEAD_DIM / 2; cs_row is [cos | sin] of the token's position, HEAD_DIM / 2 each.
-    half = HEAD_DIM // 2
-    first = d < half
-    partner = tl.where(first, d + half, d - half)
-    x = tl.load(row_ptrs + d, mask=mask, other=0.0)
-    xr = tl.load(row_ptrs + partner, mask=mask, other=0.0)
-    if QK_NORM:
-        h = x.to(tl.float32)
-        hr = xr.to(tl.float32)
-        r = tl.rsqrt(tl.sum(h * h, axis=1) / HEAD_DIM + eps)[:, None]
-        w = tl.load(w_ptr + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
-        wr = tl.load(w_ptr + partner, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
-        x = (w * (h * r).to(x.dtype).to(tl.float32)).to(x.dtype)
-        xr = (wr * (hr * r).to(x.dtype).to(tl.float32)).to(x.dtype)
-    c = tl.where(first, d, d - half)
-    cos = tl.load(cs_row + c, mask=d < HEAD_DIM, other=0.0)
-    sin = tl.load(cs_row + half + c, mask=d < HEAD_DIM, other=0.0)
-    a = x.to(tl.float32)
-    b = xr.to(tl.float32)
-    return tl.where(first, a * cos - b * sin, a * cos + b * sin).to(x.dtype)
-
-
-@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, seq_lens_ptr, block_tables_ptr, out_ptr, part_acc_ptr, part_lse_ptr,
-    pos_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, slot_ptr,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, stride_ob, stride_oh, stride_cs,
-    qk_scale, eps, NUM_SPLITS,
+    stride_bt, stride_ob, stride_oh,
+    qk_scale, NUM_SPLITS,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
-    HEADS_FIRST: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):  # fmt: skip
     # Grid (B, Hk, NUM_SPLITS), or (Hk, B, NUM_SPLITS) with HEADS_FIRST so that programs
     # running side by side read the neighbouring kv heads of the same cache slots (a slot holds
@@ -74,11 +43,6 @@ def _decode_split_kernel(
     # log2-sum-exp go to part_acc [B, Hq, S, D] / part_lse [B, Hq, S] for the reduce kernel.
     # NUM_SPLITS is a runtime value: the split count varies with the batch, and a compile per
     # count would land in the middle of a run.
-    # ROPE: q_ptr is the step's fused qkv projection [B, (Hq + 2 Hk) * D] instead of rotated q.
-    # The program normalises (QK_NORM) and rotates its q heads itself; the cache holds keys
-    # 0 .. seq_len - 2, and the new key and value (position seq_len - 1, from the qkv row) are
-    # attended from registers by the program whose split ends the sequence, which also writes
-    # them to cache slot slot_ptr[b] (skipped when < 0). Saves rope_and_store_kv's launch.
     if HEADS_FIRST:
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -99,17 +63,8 @@ def _decode_split_kernel(
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     q_mask = g_mask[:, None] & d_mask[None, :]
-    q_row = q_ptr + b.to(tl.int64) * stride_qb
-    if ROPE:
-        pos = tl.load(pos_ptr + b)
-        cs_row = cos_sin_ptr + pos * stride_cs
-        q = _norm_rope_rows(q_row + heads[:, None] * HEAD_DIM, offs_d[None, :], q_mask, q_w_ptr,
-                            cs_row, eps, HEAD_DIM, QK_NORM)  # fmt: skip
-        # Keys of the cache end before the new one, which comes from the qkv row.
-        n_cached = tl.minimum(n_hi, seq_len - 1)
-    else:
-        q = tl.load(q_row + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
-        n_cached = n_hi
+    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
 
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -117,9 +72,9 @@ def _decode_split_kernel(
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    for start_n in range(n_lo, n_cached, BLOCK_N):
+    for start_n in range(n_lo, n_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < n_cached
+        n_mask = offs_n < n_hi
         blk = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         slot = offs_n % PAGE_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
@@ -135,30 +90,6 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    if ROPE:
-        if (n_lo < seq_len) & (n_hi == seq_len):
-            # The new key/value: k as q (norm, rotation, rounding), v as projected. One more
-            # online-softmax step, with p rounded to v's dtype as the tile loop's PV product.
-            kv_row = q_row + num_kv_heads * GROUP * HEAD_DIM + kvh * HEAD_DIM
-            d_row = offs_d[None, :]
-            k_new = _norm_rope_rows(kv_row, d_row, d_row < HEAD_DIM, k_w_ptr, cs_row, eps,
-                                    HEAD_DIM, QK_NORM)  # fmt: skip
-            v_new = tl.load(kv_row + num_kv_heads * HEAD_DIM + d_row, mask=d_row < HEAD_DIM)
-            qk = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * qk_scale
-            m_new = tl.maximum(m_i, qk)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new)
-            l_i = l_i * alpha + p
-            pv = p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-            slot = tl.load(slot_ptr + b)
-            if slot >= 0:
-                blk = slot // PAGE_SIZE
-                k_dst = k_base + blk * stride_kb + (slot % PAGE_SIZE) * stride_ks + d_row
-                v_dst = v_base + blk * stride_vb + (slot % PAGE_SIZE) * stride_vs + d_row
-                tl.store(k_dst, k_new, mask=d_row < HEAD_DIM)
-                tl.store(v_dst, v_new, mask=d_row < HEAD_DIM)
 
     if NUM_SPLITS == 1:
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -244,19 +175,8 @@ def paged_attention_decode(
     op = "paged_attention_decode"
     if q.dim() != 3:
         raise ValueError(f"{op}: q must be [B, Hq, D], got {tuple(q.shape)}")
-    B, HQ, D = q.shape
-    if q.stride(2) != 1:
-        raise ValueError(f"{op}: q needs a contiguous last dim")
-    check_decode_args(op, q, B, HQ, D, k_cache, v_cache, seq_lens, block_tables)
-    num_splits = resolve_splits(op, num_splits, max_seq_len, k_cache, block_tables)
-    tiles = decode_tiles()
-    return launch_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, *tiles)
-
-
-def check_decode_args(op, q, B, HQ, D, k_cache, v_cache, seq_lens, block_tables) -> None:
-    """The checks both decode entry points share: q (or qkv) of B rows, Hq heads of size D,
-    against the caches, seq_lens and block tables."""
     check_caches(op, k_cache, v_cache)
+    B, HQ, D = q.shape
     _, bs, HK, _ = k_cache.shape
     if k_cache.shape[3] != D:
         raise ValueError(f"{op}: q head_dim {D} != cache head_dim {k_cache.shape[3]}")
@@ -264,8 +184,8 @@ def check_decode_args(op, q, B, HQ, D, k_cache, v_cache, seq_lens, block_tables)
         raise ValueError(f"{op}: Hq={HQ} is not a multiple of Hk={HK}")
     if bs & (bs - 1) != 0:
         raise ValueError(f"{op}: cache block size {bs} must be a power of two")
-    if not (k_cache.stride(3) == 1 and v_cache.stride(3) == 1):
-        raise ValueError(f"{op}: caches need a contiguous last dim")
+    if not (q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1):
+        raise ValueError(f"{op}: q and caches need a contiguous last dim")
     if not (k_cache.dtype == v_cache.dtype == q.dtype):
         raise ValueError(
             f"{op}: q, k_cache and v_cache dtypes differ: "
@@ -286,38 +206,19 @@ def check_decode_args(op, q, B, HQ, D, k_cache, v_cache, seq_lens, block_tables)
     if not (block_tables.stride(1) == 1 and seq_lens.is_contiguous()):
         raise ValueError(f"{op}: seq_lens and block_tables rows must be contiguous")
     check_launchable(op, q, k_cache, v_cache, seq_lens, block_tables)
-
-
-def resolve_splits(op, num_splits, max_seq_len, k_cache, block_tables) -> int:
-    """The split count to launch: num_splits, or choose_num_splits' pick from the batch and
-    max_seq_len (default: the most the block tables can hold)."""
     if num_splits is None:
-        bs, hk = k_cache.shape[1], k_cache.shape[2]
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * bs
-        num_splits = choose_num_splits(block_tables.shape[0], hk, bound, k_cache.device)
+        num_splits = choose_num_splits(B, HK, bound, q.device)
     if num_splits < 1:
         raise ValueError(f"{op}: num_splits must be >= 1, got {num_splits}")
-    return num_splits
+    return launch_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, *_tiles())
 
 
-def decode_tiles() -> tuple[int, int, int]:
+def _tiles() -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the split kernel."""
     if interpreting():
         return 16, 4, 1
     return 64, 4, 3
-
-
-class DecodeRope(NamedTuple):
-    """What the split kernel needs to rotate q and store the new k/v itself (its ROPE mode,
-    decode_rope.py): q is then the fused qkv projection [B, (Hq + 2 Hk) * D]."""
-
-    num_heads: int
-    positions: torch.Tensor  # [B] int64
-    cos_sin_cache: torch.Tensor  # [max_pos, D] float32, build_cos_sin_cache
-    slot_mapping: torch.Tensor  # [B] int64; < 0 is not stored
-    q_norm_weight: torch.Tensor | None = None  # [D] each, or both None
-    k_norm_weight: torch.Tensor | None = None
-    eps: float = 1e-6
 
 
 def launch_decode(
@@ -332,12 +233,11 @@ def launch_decode(
     num_warps,
     num_stages,
     heads_first: bool = HEADS_FIRST,
-    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """Launch the split and reduce kernels on checked arguments with explicit tiles (tests,
-    benchmarks); paged_attention_decode and paged_attention_decode_rope are the entry points."""
-    bs, HK, D = k_cache.shape[1:]
-    B, HQ = q.shape[0], (rope.num_heads if rope is not None else q.shape[1])
+    benchmarks); paged_attention_decode is the entry point."""
+    B, HQ, D = q.shape
+    bs, HK = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty((B, HQ, D), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
@@ -347,23 +247,16 @@ def launch_decode(
         part_lse = torch.empty((B, HQ, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_lse = out
-    if rope is not None:
-        norm = rope.q_norm_weight is not None
-        extra = (rope.positions, rope.cos_sin_cache, rope.q_norm_weight if norm else q,
-                 rope.k_norm_weight if norm else q, rope.slot_mapping)  # fmt: skip
-        stride_qh, stride_cs, eps = D, rope.cos_sin_cache.stride(0), rope.eps
-    else:
-        norm, extra, stride_qh, stride_cs, eps = False, (q,) * 5, q.stride(1), 0, 0.0
     grid = (HK, B, num_splits) if heads_first else (B, HK, num_splits)
     _decode_split_kernel[grid](
-        q, k_cache, v_cache, seq_lens, block_tables, out, part_acc, part_lse, *extra,
-        q.stride(0), stride_qh, *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_tables.stride(0), out.stride(0), out.stride(1), stride_cs,
-        scale * _LOG2E, eps, num_splits,
+        q, k_cache, v_cache, seq_lens, block_tables, out, part_acc, part_lse,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        scale * _LOG2E, num_splits,
         GROUP=group, BLOCK_G=max(16, pow2(group)), HEAD_DIM=D, BLOCK_D=pow2(D),
         BLOCK_N=block_n, PAGE_SIZE=bs,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEADS_FIRST=heads_first,
-        ROPE=rope is not None, QK_NORM=norm, num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(B, HQ)](

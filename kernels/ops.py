@@ -8,7 +8,6 @@ import torch
 # Module aliases: two of the ops share their kernel module's name.
 from . import activation as _activation
 from . import decode_attention as _decode
-from . import decode_rope as _decode_rope
 from . import kv_cache as _kv_cache
 from . import logprobs as _logprobs
 from . import paged_attention as _prefill
@@ -24,7 +23,6 @@ __all__ = [
     "fused_add_rms_norm",
     "paged_attention",
     "paged_attention_decode",
-    "paged_attention_decode_rope",
     "rms_norm",
     "rope_and_store_kv",
     "rotary_embedding",
@@ -161,33 +159,6 @@ def paged_attention_decode(
     if not use_triton(q):
         return _decode.paged_attention_decode_ref(*args)
     return _decode.paged_attention_decode(*args)
-
-
-def paged_attention_decode_rope(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    max_seq_len: int | None = None,
-) -> torch.Tensor:
-    """rope_and_store_kv then paged_attention_decode for one new token per sequence, qkv
-    [B, (Hq + 2 Hk) * D] -> [B, Hq, D]; one kernel on GPU (CUDA-graph safe, pass max_seq_len)."""
-    args = (qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_cache, v_cache,
-            slot_mapping, seq_lens, block_tables, scale,
-            q_norm_weight, k_norm_weight, eps)  # fmt: skip
-    if not use_triton(qkv):
-        return _decode_rope.paged_attention_decode_rope_ref(*args)
-    return _decode_rope.paged_attention_decode_rope(*args, max_seq_len=max_seq_len)
 
 
 def sample_gumbel(

@@ -76,8 +76,8 @@ def _rope_store_kv_kernel(
         tl.store(v_cache_ptr + slot * kv_row + cols, v, mask=cols < kv_row)
 
 
-def check_rope_store_args(op, qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_cache,
-                          v_cache, slot_mapping, q_norm_weight, k_norm_weight) -> None:  # fmt: skip
+def _check_args(op, qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_cache, v_cache,
+                slot_mapping, q_norm_weight, k_norm_weight) -> None:  # fmt: skip
     check_caches(op, k_cache, v_cache)
     hk, d = k_cache.shape[2], k_cache.shape[3]
     if hk != num_kv_heads:
@@ -139,8 +139,8 @@ def rope_and_store_kv(
         q: [T, Hq, D] rotated (and normalised), a new contiguous tensor in qkv's dtype.
     """
     op = "rope_and_store_kv"
-    check_rope_store_args(op, qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_cache,
-                          v_cache, slot_mapping, q_norm_weight, k_norm_weight)  # fmt: skip
+    _check_args(op, qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_cache, v_cache,
+                slot_mapping, q_norm_weight, k_norm_weight)  # fmt: skip
     if qkv.stride(1) != 1 or cos_sin_cache.stride(1) != 1:
         raise ValueError(f"{op}: qkv and cos_sin_cache rows must be contiguous")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -182,9 +182,8 @@ def rope_and_store_kv_ref(
     eps: float = 1e-6,
 ) -> torch.Tensor:
     """Torch reference of rope_and_store_kv: the references of the three unfused ops in turn."""
-    check_rope_store_args("rope_and_store_kv", qkv, positions, cos_sin_cache, num_heads,
-                          num_kv_heads, k_cache, v_cache, slot_mapping, q_norm_weight,
-                          k_norm_weight)  # fmt: skip
+    _check_args("rope_and_store_kv", qkv, positions, cos_sin_cache, num_heads, num_kv_heads,
+                k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight)  # fmt: skip
     T, D = qkv.shape[0], k_cache.shape[3]
     q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
     q = q.reshape(T, num_heads, D)

@@ -1,6 +1,5 @@
 """Attention of a layer: over the paged KV cache (attend; the model has stored this step's K/V with
-ops.rope_and_store_kv), straight from the qkv projection in decode steps (decode_from_qkv), or
-cache-free over the new tokens alone (forward)."""
+ops.rope_and_store_kv), or cache-free over the new tokens alone (forward)."""
 
 from __future__ import annotations
 
@@ -55,26 +54,6 @@ class Attention(nn.Module):
             ctx,
         )
         return out
-
-    def decode_from_qkv(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        ctx: AttentionContext,
-        q_norm_weight: torch.Tensor | None = None,
-        k_norm_weight: torch.Tensor | None = None,
-        eps: float = 1e-6,
-    ) -> torch.Tensor:
-        """A decode step straight from the fused projection, qkv [B, (Hq + 2 Hk) * D] ->
-        [B, Hq, D]: q/k-norm (when the weights are given), rotary, the cache write of the new
-        k/v and attention, what rope_and_store_kv then attend() do, in one kernel on GPU."""
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        return ops.paged_attention_decode_rope(
-            qkv, positions, cos_sin_cache, self.num_heads, self.num_kv_heads, k_cache, v_cache,
-            ctx.slot_mapping, ctx.seq_lens, ctx.block_tables, self.scale,
-            q_norm_weight, k_norm_weight, eps, max_seq_len=ctx.max_seqlen_k,
-        )  # fmt: skip
 
     def _decode(self, q, k_cache, v_cache, seq_lens, block_tables, ctx) -> torch.Tensor:
         return ops.paged_attention_decode(

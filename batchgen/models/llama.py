@@ -47,21 +47,16 @@ class LlamaAttention(nn.Module):
             q, k, v = self._split_norm_rope(positions, qkv)
             out = self.attn(q, k, v, ctx)  # [T, Hq, D]
         else:
+            # q/k-norm, rotary and the cache write of k/v in one kernel on GPU.
+            k_cache, v_cache = ctx.kv_caches[self.attn.layer_idx]
             norms = (
                 (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
             )
-            cos_sin = self.rotary_emb.cos_sin_cache
-            if ctx.is_decode:
-                # Decode: q/k-norm, rotary and the cache write folded into the attention kernel.
-                out = self.attn.decode_from_qkv(qkv, positions, cos_sin, ctx, *norms)
-            else:
-                # q/k-norm, rotary and the cache write of k/v in one kernel on GPU.
-                k_cache, v_cache = ctx.kv_caches[self.attn.layer_idx]
-                q = ops.rope_and_store_kv(
-                    qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, k_cache, v_cache,
-                    ctx.slot_mapping, *norms,
-                )  # fmt: skip
-                out = self.attn.attend(q, ctx)  # [T, Hq, D]
+            q = ops.rope_and_store_kv(
+                qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
+                k_cache, v_cache, ctx.slot_mapping, *norms,
+            )  # fmt: skip
+            out = self.attn.attend(q, ctx)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
 
     def _split_norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor):
