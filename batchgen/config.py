@@ -31,6 +31,10 @@ class EngineConfig:
         async_scheduling: schedule and launch step N+1 while step N runs on the device, then
             read step N's tokens (hides the host's per-step work). Outputs do not depend on it,
             except where a batch composed differently rounds differently.
+        admission_interval: while the running batch is full (max_num_seqs or KV blocks) and
+            prompts wait, try to admit them only every this many steps, so the prompts that
+            finished sequences make room for are prefilled together in one mixed step (mixed
+            steps run eagerly, at a host cost per step); 1 tries every step.
         allow_pickle: permit pickle `.bin` checkpoints (loaded with weights_only=True).
         seed: seeds weight-free randomness (the draw of seeds for requests without one).
     """
@@ -48,6 +52,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     async_scheduling: bool = True
+    admission_interval: int = 32
     allow_pickle: bool = False
     seed: int = 0
 
@@ -70,6 +75,8 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1")
+        if self.admission_interval < 1:
+            raise ConfigError(f"admission_interval={self.admission_interval}: must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 2")
 

@@ -56,6 +56,7 @@ from batchgen.config import ConfigError, EngineConfig
 @click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
 @click.option("--max-num-seqs", type=int, default=None)
 @click.option("--max-num-batched-tokens", type=int, default=None)
+@click.option("--admission-interval", type=int, default=None)
 @click.option("--gpu-memory-utilization", type=float, default=None)
 @click.option("--num-kv-blocks", type=int, default=None)
 @click.option("--block-size", type=int, default=None)
@@ -75,6 +76,7 @@ def bench(**kw) -> None:
     engine_keys = (
         "max_num_seqs",
         "max_num_batched_tokens",
+        "admission_interval",
         "gpu_memory_utilization",
         "num_kv_blocks",
         "block_size",

@@ -73,6 +73,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
+            admission_interval=config.admission_interval,
         )
         self.stats = EngineStats()
         self._seq_ids = itertools.count()

@@ -37,12 +37,19 @@ class Scheduler:
     GROWTH_RESERVE_FRACTION of the cache). Samples 1..n-1 of a request wait for sample 0 to
     compute its prompt and then share its prompt blocks.
 
+    Once admission has stopped for want of room (max_num_seqs or blocks) with prompts still
+    waiting, it is tried again only every admission_interval steps while sequences run: the
+    prompts that sequences finishing in between make room for are then admitted together, in
+    one mixed step, instead of one eager (not graph-replayed) mixed step per finished sequence.
+
     Args:
         block_manager: the KV block pool.
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: most tokens (prefill + decode) in one step.
         max_model_len: longest sequence (prompt + output) allowed.
         eos_token_ids: tokens that end generation (unless params.ignore_eos).
+        admission_interval: steps between admission attempts while the batch is full; 1 tries
+            every step.
     """
 
     def __init__(
@@ -53,8 +60,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: frozenset[int],
+        admission_interval: int = 1,
     ) -> None:
         self.block_manager = block_manager
+        self.admission_interval = admission_interval
+        # Steps since admission last stopped for want of room (None: it did not).
+        self._steps_since_full: int | None = None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -143,8 +154,11 @@ class Scheduler:
         self._schedule_running(out, budget)
         budget -= out.num_batched_tokens
         # After a preemption, blocks are short: admitting now would only thrash.
-        if not out.preempted:
-            self._schedule_waiting(out, budget, self._prefixes_in_prefill())
+        if out.preempted:
+            self._steps_since_full = 0
+        elif self._admission_due():
+            full = self._schedule_waiting(out, budget, self._prefixes_in_prefill())
+            self._steps_since_full = 0 if full else None
         assert out.scheduled or not self.has_unfinished(), (
             "scheduler stalled with nothing running: add() should have rejected "
             f"{self.waiting[0] if self.waiting else None}"
@@ -173,10 +187,19 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+    def _admission_due(self) -> bool:
+        """Whether this step tries to admit: always while nothing runs or admission last
+        stopped for another reason than room; else every admission_interval steps."""
+        if self._steps_since_full is None or not self.running:
+            return True
+        self._steps_since_full += 1
+        return self._steps_since_full >= self.admission_interval
+
     def _schedule_waiting(
         self, out: SchedulerOutput, budget: int, pending: set[tuple[int, ...]]
-    ) -> None:
-        """Admit waiting sequences FIFO.
+    ) -> bool:
+        """Admit waiting sequences FIFO; return whether admission stopped for want of room
+        (max_num_seqs or KV blocks) with sequences still waiting.
 
         `pending` holds prefixes whose last block is being computed (by running prefills, then
         by this step's admissions too). A waiting sequence whose next uncached block ends one of
@@ -187,7 +210,11 @@ class Scheduler:
         skipped: list[Sequence] = []  # siblings awaiting their parent; sequences deferred
         cap = int(GROWTH_RESERVE_FRACTION * bm.num_blocks)
         reserve = min(sum(self._growth_blocks(seq) for seq in self.running), cap)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        full = False
+        while self.waiting and budget > 0:
+            if len(self.running) >= self.max_num_seqs:
+                full = True
+                break
             seq = self.waiting[0]
             computed = self._reusable_blocks(seq)
             if computed is None:
@@ -200,6 +227,7 @@ class Scheduler:
             num_computed = len(computed) * bm.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
             if not bm.allocate_slots(seq, num_new, computed, reserve=reserve):
+                full = True
                 break  # no head-of-line skipping: wait for blocks to free up
             reserve = min(reserve + self._growth_blocks(seq), cap)
             self.waiting.popleft()
@@ -214,6 +242,7 @@ class Scheduler:
             self._add_scheduled(out, seq, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+        return full
 
     def _growth_blocks(self, seq: Sequence) -> int:
         """Blocks seq still needs beyond its table to reach its longest possible KV."""

@@ -1,8 +1,10 @@
-"""Time the `nano` workload under several engine settings: per setting, build the random-weight
-model and runner (the runner's CUDA graphs depend on the settings), then run it ROUNDS times.
+"""Time a workload (`nano` unless SWEEP_WORKLOAD=name[:num_prompts]) under several engine
+settings: per setting, build the random-weight model and runner (the runner's CUDA graphs
+depend on the settings), then run it ROUNDS times.
 
 Usage (CUDA machine, repo root):
-    python examples/benchmarks/sweep_engine.py PRESET ROUNDS SETTING [SETTING ...]
+    [SWEEP_WORKLOAD=pipeline:2000] python examples/benchmarks/sweep_engine.py PRESET ROUNDS \
+        SETTING [SETTING ...]
 SETTING is `default` or comma-separated key=value engine options, e.g.
 `max_num_batched_tokens=16384,max_num_seqs=128`. Prints each run, then per setting the
 median wall time and output tok/s. Quote `batchgen bench` runs, not these, as results.
@@ -11,6 +13,7 @@ median wall time and output tok/s. Quote `batchgen bench` runs, not these, as re
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import sys
 
@@ -18,7 +21,7 @@ import torch
 
 from batchgen.bench.engine_run import build_bench, run_engine
 from batchgen.bench.random_model import preset_config
-from batchgen.bench.workloads import nano
+from batchgen.bench.workloads import build_workload
 from batchgen.config import EngineConfig
 
 
@@ -32,7 +35,8 @@ def parse(setting: str) -> dict[str, int]:
 def main() -> None:
     preset, rounds, settings = sys.argv[1], int(sys.argv[2]), sys.argv[3:] or ["default"]
     vocab = preset_config(preset)["vocab_size"]
-    w = nano(256, vocab)
+    name, _, count = os.environ.get("SWEEP_WORKLOAD", "nano").partition(":")
+    w = build_workload(name, vocab, int(count) if count else None)
     walls: dict[str, list[float]] = {s: [] for s in settings}
     for setting in settings:
         config = EngineConfig(model="-", dtype="bfloat16", device="cuda", **parse(setting))

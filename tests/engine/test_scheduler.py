@@ -125,6 +125,7 @@ def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
         eos_token_ids=frozenset({EOS}),
+        admission_interval=kw.pop("admission_interval", 1),
     )
 
 
@@ -343,6 +344,47 @@ def test_max_num_seqs():
     assert_expected(seqs)
 
 
+def _admission_steps(runner):
+    """Indices of the steps that admitted a sequence (a row starting at position 0)."""
+    return [i for i, step in enumerate(runner.steps) if any(start == 0 for _, start, _, _ in step)]
+
+
+def test_admission_interval_admits_freed_room_together():
+    # Four slots, twelve requests of different lengths: with interval 1 a prompt is admitted
+    # whenever a sequence finishes; with interval 6 the prompts that room freed up for wait
+    # and go in together, at most every 6 steps while sequences run.
+    def run(interval):
+        sched = make_sched(max_num_seqs=4, budget=64, admission_interval=interval)
+        seqs = [gen(i, [i, i + 1], max_tokens=3 + (5 * i) % 11, ignore_eos=True) for i in range(12)]
+        runner = run_to_completion(sched, seqs)
+        assert_expected(seqs)
+        return _admission_steps(runner)
+
+    eager, batched = run(1), run(6)
+    assert len(batched) < len(eager)
+    # After the first admission fills the batch, admissions are >= 6 steps apart.
+    assert all(b - a >= 6 for a, b in zip(batched, batched[1:]))
+
+
+def test_admission_interval_does_not_hold_back_room_that_is_free():
+    # The batch never fills (max_num_seqs 8, three requests arriving one by one): every
+    # prompt is admitted in the step after it arrives, whatever the interval.
+    sched = make_sched(max_num_seqs=8, budget=64, admission_interval=50)
+    runner = FakeRunner(sched)
+    seqs = []
+    for i in range(3):
+        seq = gen(i, [i], max_tokens=20, ignore_eos=True)
+        assert sched.add(seq) is None
+        seqs.append(seq)
+        out = sched.schedule()
+        assert any(s.seq is seq and s.start == 0 for s in out.scheduled)
+        sched.postprocess(out, runner.step(out))
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sched.postprocess(out, runner.step(out))
+    assert_expected(seqs)
+
+
 def test_prefix_cache_hits_across_requests():
     sched = make_sched(block_size=4, budget=64)
     system = list(range(40, 56))  # 16 tokens: 4 full blocks
@@ -376,6 +418,7 @@ def test_randomized_invariants(seed, async_steps):
         budget=rng.randint(1, 40),
         max_model_len=max_model_len,
         enable_prefix_caching=rng.random() < 0.7,
+        admission_interval=rng.choice([1, 1, 2, 5]),
     )
     shared = [rng.randrange(VOCAB) for _ in range(rng.randint(0, 30))]  # common prefixes
     seqs, seq_id = [], 0
