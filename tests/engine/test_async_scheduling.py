@@ -1,6 +1,7 @@
 """Async scheduling (step N+1 launched before step N's tokens are read) changes nothing a user
 sees: outputs, finish reasons, logprobs and scores equal the synchronous engine's, through
-preemption, chunked prefill, stop tokens met one step late, n > 1 and scoring."""
+preemption, chunked prefill, stop tokens met one step late, n > 1 and scoring. Nor does the
+admission interval (how often a full batch is refilled)."""
 
 from __future__ import annotations
 
@@ -146,4 +147,35 @@ def test_async_outputs_equal_sync(model_path, options, monkeypatch):
     else:
         assert a.num_cached_tokens == s.num_cached_tokens
     # Nothing left behind: every block back in the pool.
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"num_kv_blocks": 512, "max_num_seqs": 5},  # full by sequence slots
+        {"num_kv_blocks": 40, "block_size": 8},  # full by KV blocks, with preemption
+    ],
+    ids=["seq-slots", "kv-blocks"],
+)
+def test_admission_interval_outputs_equal(model_path, options, monkeypatch):
+    attempts = {}
+    schedule_waiting = Scheduler._schedule_waiting
+
+    def run(interval):
+        calls = attempts[interval] = []
+
+        def spy(self, *args):
+            full = schedule_waiting(self, *args)
+            calls.append(full)
+            return full
+
+        monkeypatch.setattr(Scheduler, "_schedule_waiting", spy)
+        return _run(model_path, True, admission_interval=interval, **options)
+
+    want, _ = run(1)
+    got, engine = run(6)
+    _same(got, want)
+    # The batch did fill, and the interval then skipped admission attempts.
+    assert any(attempts[6]) and len(attempts[6]) < len(attempts[1])
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
