@@ -17,9 +17,15 @@ Usage (CUDA machine, repo root): python examples/benchmarks/pdl_probe.py
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).parent))
+from probe_rows import row_op_body  # noqa: E402
 
 LAYERS, H, Q, KV, INTER = 28, 1024, 2048, 1024, 3072
 
@@ -31,18 +37,7 @@ def _row_kernel(x_ptr, out_ptr, stride_x, stride_out, N, MODE: tl.constexpr,
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    m = cols < N
-    if MODE == 2:
-        g = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + row * stride_x + N + cols, mask=m, other=0.0).to(tl.float32)
-        y = g / (1.0 + tl.exp(-g)) * u
-    else:
-        y = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-        if MODE == 0:
-            y = y * tl.rsqrt(tl.sum(y * y, 0) / N + 1e-6)
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=m)
+    row_op_body(x_ptr, out_ptr, stride_x, stride_out, N, MODE, BLOCK)
 
 
 @triton.jit

@@ -1,0 +1,38 @@
+"""The row kernel body shared by the decode-chain probes (l2_prefetch_probe.py, pdl_probe.py):
+the small op that sits between two projections of a decode layer, one row per program."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def row_op_body(x_ptr, out_ptr, stride_x, stride_out, N, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    # Row program_id(0) of x -> out: MODE 0 = rms-like scale over N, 1 = copy of N values,
+    # 2 = silu(x[:, :N]) * x[:, N:2N].
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < N
+    if MODE == 2:
+        g = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * stride_x + N + cols, mask=m, other=0.0).to(tl.float32)
+        y = g / (1.0 + tl.exp(-g)) * u
+    else:
+        y = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+        if MODE == 0:
+            y = y * tl.rsqrt(tl.sum(y * y, 0) / N + 1e-6)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def row_op_body_ref(x, n: int, mode: int):
+    """Torch reference of row_op_body, for checking the probes' kernels."""
+    import torch
+
+    if mode == 2:
+        g, u = x[:, :n].float(), x[:, n : 2 * n].float()
+        return (torch.nn.functional.silu(g) * u).to(x.dtype)
+    y = x[:, :n].float()
+    if mode == 0:
+        y = y * torch.rsqrt((y * y).mean(-1, keepdim=True) + 1e-6)
+    return y.to(x.dtype)
