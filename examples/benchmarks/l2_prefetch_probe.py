@@ -15,9 +15,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
-from probe_rows import row_op_body  # noqa: E402
+from probe_chain import INTER, LAYERS, H, Q, graph_median_us, layer_weights, row_op_body  # noqa: E402
 
-LAYERS, H, Q, KV, INTER = 28, 1024, 2048, 1024, 3072
 # (label, prefetch on, bytes per prefetch instruction)
 VARIANTS = [("off", False, 1 << 16), ("on 64K", True, 1 << 16), ("on 1M", True, 1 << 20),
             ("on 16M", True, 1 << 24)]  # fmt: skip
@@ -60,15 +59,7 @@ def main() -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     bf = torch.bfloat16
-    layers = [
-        dict(
-            qkv=torch.randn(Q + 2 * KV, H, device=dev, dtype=bf) * 0.02,
-            o=torch.randn(H, Q, device=dev, dtype=bf) * 0.02,
-            gu=torch.randn(2 * INTER, H, device=dev, dtype=bf) * 0.02,
-            d=torch.randn(H, INTER, device=dev, dtype=bf) * 0.02,
-        )
-        for _ in range(LAYERS)
-    ]
+    layers = layer_weights(dev)
     flush = torch.empty(512 << 20, dtype=torch.uint8, device=dev)  # evicts L2 between replays
 
     def forward(x, prefetch, chunk):
@@ -92,20 +83,9 @@ def main() -> None:
             out = forward(x, prefetch, chunk)
             torch.cuda.synchronize()
             assert torch.equal(ref, out), "prefetch changed the result"
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                forward(x, prefetch, chunk)
-            times = []
-            for _ in range(30):
-                flush.zero_()
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                g.replay()
-                e.record()
-                torch.cuda.synchronize()
-                times.append(s.elapsed_time(e) * 1e3)
-            times.sort()
-            results[label] = times[len(times) // 2]
+            results[label] = graph_median_us(
+                lambda x=x, p=prefetch, c=chunk: forward(x, p, c), 30, before=flush.zero_
+            )
         base = results["off"]
         line = ", ".join(f"{k} {v:7.1f} us" for k, v in results.items())
         print(f"M={m:4d}: {line}; per layer off {base / LAYERS:.2f} us, "

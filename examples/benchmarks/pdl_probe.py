@@ -25,9 +25,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
-from probe_rows import row_op_body  # noqa: E402
-
-LAYERS, H, Q, KV, INTER = 28, 1024, 2048, 1024, 3072
+from probe_chain import INTER, LAYERS, H, Q, graph_median_us, layer_weights, row_op_body  # noqa: E402
 
 
 @triton.jit
@@ -112,15 +110,7 @@ def main() -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     bf = torch.bfloat16
-    layers = [
-        dict(
-            qkv=torch.randn(Q + 2 * KV, H, device=dev, dtype=bf) * 0.02,
-            o=torch.randn(H, Q, device=dev, dtype=bf) * 0.02,
-            gu=torch.randn(2 * INTER, H, device=dev, dtype=bf) * 0.02,
-            d=torch.randn(H, INTER, device=dev, dtype=bf) * 0.02,
-        )
-        for _ in range(LAYERS)
-    ]
+    layers = layer_weights(dev)
 
     def forward(x, mode):
         pdl = mode in ("pdl", "pdl+L2", "cublas+pdl")
@@ -162,20 +152,8 @@ def main() -> None:
             if mode in ("pdl", "pdl+L2"):
                 assert torch.equal(out, base), f"{mode} changed the Triton result"
             err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                forward(x, mode)
-            g.replay()
-            times = []
-            for _ in range(20):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                g.replay()
-                e.record()
-                torch.cuda.synchronize()
-                times.append(s.elapsed_time(e) * 1e3)
-            times.sort()
-            results[mode] = (times[len(times) // 2] / LAYERS, err)
+            us = graph_median_us(lambda x=x, mode=mode: forward(x, mode), 20)
+            results[mode] = (us / LAYERS, err)
         line = ", ".join(f"{k} {t:6.2f} us (err {e:.1e})" for k, (t, e) in results.items())
         print(f"M={m:4d} per layer: {line}", flush=True)
 
