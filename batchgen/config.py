@@ -32,9 +32,10 @@ class EngineConfig:
             read step N's tokens (hides the host's per-step work). Outputs do not depend on it,
             except where a batch composed differently rounds differently.
         admission_interval: while the running batch is full (max_num_seqs or KV blocks) and
-            prompts wait, try to admit them only every this many steps, so the prompts that
-            finished sequences make room for are prefilled together in one mixed step (mixed
-            steps run eagerly, at a host cost per step); 1 tries every step.
+            prompts wait, try to admit them only every this many steps, or sooner once
+            max_num_seqs // 16 sequences have finished, so the prompts that finished sequences
+            make room for are prefilled together in one mixed step (mixed steps run eagerly,
+            at a host cost per step); 1 tries every step.
         allow_pickle: permit pickle `.bin` checkpoints (loaded with weights_only=True).
         seed: seeds weight-free randomness (the draw of seeds for requests without one).
     """

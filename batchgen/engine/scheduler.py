@@ -38,9 +38,10 @@ class Scheduler:
     compute its prompt and then share its prompt blocks.
 
     Once admission has stopped for want of room (max_num_seqs or blocks) with prompts still
-    waiting, it is tried again only every admission_interval steps while sequences run: the
-    prompts that sequences finishing in between make room for are then admitted together, in
-    one mixed step, instead of one eager (not graph-replayed) mixed step per finished sequence.
+    waiting, it is tried again, while sequences run, only after admission_interval steps or
+    once admission_batch sequences have finished: the prompts that the finished sequences make
+    room for are then admitted together, in one mixed step, instead of one eager (not
+    graph-replayed) mixed step per finished sequence.
 
     Args:
         block_manager: the KV block pool.
@@ -50,6 +51,8 @@ class Scheduler:
         eos_token_ids: tokens that end generation (unless params.ignore_eos).
         admission_interval: steps between admission attempts while the batch is full; 1 tries
             every step.
+        admission_batch: finished sequences that end the wait early (a burst of sequences
+            ending together is refilled at once); None takes max_num_seqs // 16, at least 1.
     """
 
     def __init__(
@@ -61,11 +64,15 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: frozenset[int],
         admission_interval: int = 1,
+        admission_batch: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.admission_interval = admission_interval
-        # Steps since admission last stopped for want of room (None: it did not).
+        self.admission_batch = admission_batch or max(1, max_num_seqs // 16)
+        # Since admission last stopped for want of room: steps, and running sequences that
+        # finished (steps None: it did not stop for room).
         self._steps_since_full: int | None = None
+        self._finished_since_full = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -139,6 +146,7 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._finished_since_full += 1
         else:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
@@ -155,10 +163,9 @@ class Scheduler:
         budget -= out.num_batched_tokens
         # After a preemption, blocks are short: admitting now would only thrash.
         if out.preempted:
-            self._steps_since_full = 0
+            self._mark_full(True)
         elif self._admission_due():
-            full = self._schedule_waiting(out, budget, self._prefixes_in_prefill())
-            self._steps_since_full = 0 if full else None
+            self._mark_full(self._schedule_waiting(out, budget, self._prefixes_in_prefill()))
         assert out.scheduled or not self.has_unfinished(), (
             "scheduler stalled with nothing running: add() should have rejected "
             f"{self.waiting[0] if self.waiting else None}"
@@ -187,13 +194,22 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+    def _mark_full(self, full: bool) -> None:
+        """Start (full) or end the wait for room that _admission_due measures."""
+        self._steps_since_full = 0 if full else None
+        self._finished_since_full = 0
+
     def _admission_due(self) -> bool:
         """Whether this step tries to admit: always while nothing runs or admission last
-        stopped for another reason than room; else every admission_interval steps."""
+        stopped for another reason than room; else after admission_interval steps, or once
+        admission_batch running sequences have finished."""
         if self._steps_since_full is None or not self.running:
             return True
         self._steps_since_full += 1
-        return self._steps_since_full >= self.admission_interval
+        return (
+            self._steps_since_full >= self.admission_interval
+            or self._finished_since_full >= self.admission_batch
+        )
 
     def _schedule_waiting(
         self, out: SchedulerOutput, budget: int, pending: set[tuple[int, ...]]

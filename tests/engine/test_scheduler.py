@@ -126,6 +126,7 @@ def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model
         max_model_len=max_model_len,
         eos_token_ids=frozenset({EOS}),
         admission_interval=kw.pop("admission_interval", 1),
+        admission_batch=kw.pop("admission_batch", None),
     )
 
 
@@ -351,10 +352,11 @@ def _admission_steps(runner):
 
 def test_admission_interval_admits_freed_room_together():
     # Four slots, twelve requests of different lengths: with interval 1 a prompt is admitted
-    # whenever a sequence finishes; with interval 6 the prompts that room freed up for wait
-    # and go in together, at most every 6 steps while sequences run.
+    # whenever a sequence finishes; with interval 6 (and no early end: a batch of 4) the
+    # prompts that room freed up for wait and go in together, at most every 6 steps.
     def run(interval):
-        sched = make_sched(max_num_seqs=4, budget=64, admission_interval=interval)
+        sched = make_sched(max_num_seqs=4, budget=64, admission_interval=interval,
+                           admission_batch=4)  # fmt: skip
         seqs = [gen(i, [i, i + 1], max_tokens=3 + (5 * i) % 11, ignore_eos=True) for i in range(12)]
         runner = run_to_completion(sched, seqs)
         assert_expected(seqs)
@@ -364,6 +366,18 @@ def test_admission_interval_admits_freed_room_together():
     assert len(batched) < len(eager)
     # After the first admission fills the batch, admissions are >= 6 steps apart.
     assert all(b - a >= 6 for a, b in zip(batched, batched[1:]))
+
+
+def test_a_burst_of_finished_sequences_ends_the_wait():
+    # Eight slots: two long requests keep running while short ones of one length finish in
+    # bursts of 6. With a batch of 4 the freed slots are refilled in the step after each
+    # burst, not 50 steps later.
+    sched = make_sched(max_num_seqs=8, budget=64, admission_interval=50, admission_batch=4)
+    seqs = [gen(i, [i], max_tokens=60 if i < 2 else 5, ignore_eos=True) for i in range(24)]
+    runner = run_to_completion(sched, seqs)
+    assert_expected(seqs)
+    # Step 0 admits 2 long + 6 short; the short ones take steps 0-4; the next 6 come in at 5.
+    assert _admission_steps(runner) == [0, 5, 10, 15]
 
 
 def test_admission_interval_does_not_hold_back_room_that_is_free():
