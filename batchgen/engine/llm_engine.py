@@ -14,7 +14,7 @@ from batchgen.engine.request import Request, ScoreAccumulator, sample_seed
 from batchgen.engine.sampler import SamplingBatch
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.scheduler_output import SchedulerOutput
-from batchgen.engine.sequence import Sequence, SequenceStatus
+from batchgen.engine.sequence import Sequence
 from batchgen.engine.stats import EngineStats
 from batchgen.engine.step_handle import StepHandle
 from batchgen.models.config import ModelConfig
@@ -260,7 +260,7 @@ class LLMEngine:
                 return finished_outputs
         sampling = self._sampling_batch(out.scheduled)
         handle = self.runner.launch(out.scheduled, sampling, self._inflight_handle())
-        advanced = [s.seq for s in out.scheduled if s.seq.status is SequenceStatus.RUNNING]
+        advanced = self.scheduler.advancing(out)
         launched = _Launched(handle, out, self.scheduler.advance(out), advanced)
         launched.epochs = [s.seq.num_preemptions for s in out.scheduled]
         self.stats.num_steps += 1

@@ -317,6 +317,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- after the model ran -----------------------------------------------------------------
+    @staticmethod
+    def advancing(output: SchedulerOutput) -> list[Sequence]:
+        """The scheduled sequences advance(output) moves on (and counts in flight): those still
+        running. Call it before advance, which may finish some of them."""
+        return [s.seq for s in output.scheduled if s.seq.status is SequenceStatus.RUNNING]
+
     def advance(self, output: SchedulerOutput) -> list[tuple[int, Sequence, int]]:
         """Account for a launched step before its sampled tokens are known (async scheduling).
 
@@ -387,7 +393,7 @@ class Scheduler:
         Returns:
             The sequences that finished this step (status FINISHED, blocks freed).
         """
-        live = [s.seq for s in output.scheduled if s.seq.status is SequenceStatus.RUNNING]
+        live = self.advancing(output)
         for _, seq, index in self.advance(output):
             self.resolve_token(seq, index, sampled[seq.seq_id])
         for seq in live:
