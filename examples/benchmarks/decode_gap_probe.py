@@ -12,6 +12,8 @@ short, it is the parallelism of B * Hk programs.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -20,6 +22,9 @@ from batchgen.kernels.decode_attention import (
     choose_num_splits,
     launch_decode,
 )
+
+sys.path.insert(0, str(Path(__file__).parent))
+from graph_timing import graph_median_us  # noqa: E402
 
 HQ, HK, D, BS = 16, 8, 128, 16
 BATCHES = [int(b) for b in os.environ.get("GAP_BATCHES", "32,64,128,256").split(",") if b]
@@ -58,22 +63,7 @@ def batch(ctx: list[int], bs: int = BS, heads_major: bool = False):
 def graph_ms(fn, calls: int = 20) -> float:
     """Milliseconds a call, from CUDA-graph replays of `calls` back-to-back calls (as the
     engine's layers run them, without do_bench's launch and L2-flush around each call)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[2]
+    return graph_median_us(lambda: [fn() for _ in range(calls)], 5) / calls / 1e3
 
 
 def rate(args, splits: int, tiles=(64, 4, 3), graphed: bool = False) -> float:

@@ -8,9 +8,15 @@ Usage (CUDA machine, repo root): python examples/benchmarks/overlap_probe.py
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from batchgen.kernels import ops
+
+sys.path.insert(0, str(Path(__file__).parent))
+from graph_timing import graph_median_us  # noqa: E402
 
 LAYERS, H, HQ, HK, D, INTER, BS = 28, 1024, 16, 8, 128, 3072, 16
 DEV = torch.device("cuda")
@@ -69,20 +75,8 @@ def step(layers, batch) -> None:
 
 
 def time_graph(fn, reps: int = 20) -> float:
-    g = torch.cuda.CUDAGraph()
-    fn()
-    torch.cuda.synchronize()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return sorted(times)[reps // 2]
+    """Median milliseconds of a CUDA-graph replay of fn."""
+    return graph_median_us(fn, reps) / 1e3
 
 
 def attention_only(batch) -> None:

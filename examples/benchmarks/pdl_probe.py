@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
-from probe_chain import INTER, LAYERS, H, Q, graph_median_us, layer_weights, row_op_body  # noqa: E402
+from graph_timing import graph_median_us  # noqa: E402
+from probe_chain import INTER, LAYERS, H, Q, layer_weights, row_op_body  # noqa: E402
 
 
 @triton.jit

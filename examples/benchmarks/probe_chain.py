@@ -44,26 +44,6 @@ def row_op_body(x_ptr, out_ptr, stride_x, stride_out, N, MODE: tl.constexpr, BLO
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def graph_median_us(fn, reps: int, before=None) -> float:
-    """Median microseconds of a CUDA-graph replay of fn (captured once, replayed once untimed),
-    over reps timed replays; `before` (e.g. an L2 flush) runs ahead of each, untimed."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        if before is not None:
-            before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[reps // 2]
-
-
 def row_op_body_ref(x, n: int, mode: int):
     """Torch reference of row_op_body, for checking the probes' kernels."""
     if mode == 2:
