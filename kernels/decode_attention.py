@@ -9,6 +9,7 @@ from .launch import (
     check_caches,
     check_dtype,
     check_launchable,
+    check_out,
     interpreting,
     num_sms,
     pow2,
@@ -151,6 +152,7 @@ def paged_attention_decode(
     scale: float,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its whole paged context, Triton kernels.
 
@@ -168,9 +170,11 @@ def paged_attention_decode(
         num_splits: partitions of the key range; None picks one from B, Hk and the length.
         max_seq_len: upper bound of seq_lens (host int) for that choice; None takes
             MB * BS, the most the block tables can hold.
+        out: where to write the result, [B, Hq, D] in q.dtype with a contiguous last dim (a
+            view into a larger buffer is fine: a mixed step's decode rows); None allocates it.
 
     Returns:
-        [B, Hq, D] in q.dtype.
+        out, [B, Hq, D] in q.dtype.
     """
     op = "paged_attention_decode"
     if q.dim() != 3:
@@ -211,7 +215,11 @@ def paged_attention_decode(
         num_splits = choose_num_splits(B, HK, bound, q.device)
     if num_splits < 1:
         raise ValueError(f"{op}: num_splits must be >= 1, got {num_splits}")
-    return launch_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, *_tiles())
+    if out is not None:
+        check_out(op, q, out)
+    return launch_decode(
+        q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, *_tiles(), out=out
+    )
 
 
 def _tiles() -> tuple[int, int, int]:
@@ -233,12 +241,15 @@ def launch_decode(
     num_warps,
     num_stages,
     heads_first: bool = HEADS_FIRST,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the split and reduce kernels on checked arguments with explicit tiles (tests,
-    benchmarks); paged_attention_decode is the entry point."""
+    benchmarks); out: a checked [B, Hq, D] to write, or None to allocate one;
+    paged_attention_decode is the entry point."""
     B, HQ, D = q.shape
     bs, HK = k_cache.shape[1], k_cache.shape[2]
-    out = torch.empty((B, HQ, D), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((B, HQ, D), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
     group = HQ // HK
@@ -276,9 +287,15 @@ def paged_attention_decode_ref(
     scale: float,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference of paged_attention_decode (num_splits / max_seq_len are ignored)."""
-    out = torch.zeros_like(q)
+    """Torch reference of paged_attention_decode (num_splits / max_seq_len are ignored); writes
+    into out when given."""
+    if out is None:
+        out = torch.zeros_like(q)
+    else:
+        check_out("paged_attention_decode", q, out)
+        out.zero_()
     for b, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
             continue

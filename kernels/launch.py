@@ -45,6 +45,7 @@ __all__ = [
     "check_caches",
     "check_dtype",
     "check_launchable",
+    "check_out",
     "interpreting",
     "num_sms",
     "pow2",
@@ -59,6 +60,18 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, used by CI)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_out(op: str, q: torch.Tensor, out: torch.Tensor) -> None:
+    """Check a caller's output buffer for an attention op: q's shape, dtype and device, and a
+    contiguous last dim (the kernels take the two leading strides)."""
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(
+            f"{op}: out must be {tuple(q.shape)} {q.dtype} on {q.device}, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    if out.stride(-1) != 1:
+        raise ValueError(f"{op}: out needs a contiguous last dim, got strides {out.stride()}")
 
 
 def check_launchable(op: str, *tensors: torch.Tensor) -> None:

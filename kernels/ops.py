@@ -120,13 +120,15 @@ def paged_attention(
     block_tables: torch.Tensor,
     scale: float,
     max_seqlen_q: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens q [T, Hq, D] over their paged context (prefill,
-    chunked prefill, mixed batches); see kernels/paged_attention.py for the contract."""
+    chunked prefill, mixed batches), written into out when given; see
+    kernels/paged_attention.py for the contract."""
     args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q)
     if not use_triton(q):
-        return _prefill.paged_attention_ref(*args)
-    return _prefill.paged_attention(*args)
+        return _prefill.paged_attention_ref(*args, out=out)
+    return _prefill.paged_attention(*args, out=out)
 
 
 def varlen_attention(
@@ -152,13 +154,15 @@ def paged_attention_decode(
     scale: float,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one new token per sequence, q [B, Hq, D], over its paged context; CUDA-graph
-    safe on GPU (pass max_seq_len, a host int, to size the KV splits)."""
+    """Attention of one new token per sequence, q [B, Hq, D], over its paged context, written
+    into out when given; CUDA-graph safe on GPU (pass max_seq_len, a host int, to size the KV
+    splits)."""
     args = (q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, max_seq_len)
     if not use_triton(q):
-        return _decode.paged_attention_decode_ref(*args)
-    return _decode.paged_attention_decode(*args)
+        return _decode.paged_attention_decode_ref(*args, out=out)
+    return _decode.paged_attention_decode(*args, out=out)
 
 
 def sample_gumbel(

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from .launch import check_caches, check_dtype, check_launchable, interpreting, pow2, tl, triton
+from .launch import (
+    check_caches,
+    check_dtype,
+    check_launchable,
+    check_out,
+    interpreting,
+    pow2,
+    tl,
+    triton,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -123,13 +132,15 @@ def _tiles(head_dim: int, max_seqlen_q: int) -> tuple[int, int, int, int]:
 
 
 def launch_attention(
-    q, k, v, cu_seqlens, seq_lens, block_tables, scale, max_seqlen_q, paged, tiles=None
+    q, k, v, cu_seqlens, seq_lens, block_tables, scale, max_seqlen_q, paged, tiles=None, out=None
 ) -> torch.Tensor:
     """Launch the kernel on checked arguments, K/V paged ([NB, BS, Hk, D] caches) or contiguous
-    ([T, Hk, D]); tiles = (BLOCK_M, BLOCK_N, num_warps, num_stages) or None for the default.
+    ([T, Hk, D]); tiles = (BLOCK_M, BLOCK_N, num_warps, num_stages) or None for the default;
+    out: a checked [T, Hq, D] to write (check_out), or None to allocate one.
     paged_attention / varlen_attention are the entry points; this serves tests and benchmarks."""
     T, HQ, D = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     B = cu_seqlens.shape[0] - 1
     if T == 0 or B == 0:
         return out
@@ -189,6 +200,7 @@ def paged_attention(
     block_tables: torch.Tensor,
     scale: float,
     max_seqlen_q: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch of new tokens over their paged context, Triton kernel.
 
@@ -204,9 +216,12 @@ def paged_attention(
         block_tables: [B, MB] int32.
         scale: softmax scale (usually D ** -0.5).
         max_seqlen_q: max q_len_b (host int; sizes the grid without a sync).
+        out: where to write the result, [T, Hq, D] in q.dtype with a contiguous last dim (a
+            view into a larger buffer is fine: a mixed step's rows after its decode rows);
+            None allocates it.
 
     Returns:
-        [T, Hq, D] in q.dtype.
+        out, [T, Hq, D] in q.dtype.
     """
     op = "paged_attention"
     check_caches(op, k_cache, v_cache)
@@ -229,9 +244,20 @@ def paged_attention(
         raise ValueError(f"{op}: block_tables must be [{B}, MB], got {tuple(block_tables.shape)}")
     if max_seqlen_q < 1:
         raise ValueError(f"{op}: max_seqlen_q must be >= 1, got {max_seqlen_q}")
+    if out is not None:
+        check_out(op, q, out)
     check_launchable(op, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
     return launch_attention(
-        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, True
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_tables,
+        scale,
+        max_seqlen_q,
+        True,
+        out=out,
     )
 
 
@@ -309,9 +335,14 @@ def paged_attention_ref(
     block_tables: torch.Tensor,
     scale: float,
     max_seqlen_q: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference of paged_attention: per sequence, gather K/V through the block table."""
-    out = torch.empty_like(q)
+    """Torch reference of paged_attention: per sequence, gather K/V through the block table;
+    writes into out when given."""
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        check_out("paged_attention", q, out)
     offsets = cu_seqlens_q.tolist()
     for b, seq_len in enumerate(seq_lens.tolist()):
         start, end = offsets[b], offsets[b + 1]

@@ -41,10 +41,13 @@ class Attention(nn.Module):
             return self._prefill(
                 q, k_cache, v_cache, ctx.cu_seqlens_q, ctx.seq_lens, ctx.block_tables, ctx
             )
-        # Mixed batch: single-token rows [0, d) first, prefill chunks after them.
+        # Mixed batch: single-token rows [0, d) first, prefill chunks after them. Each kernel
+        # writes its rows of one output in place (no copies of [T, Hq, D] per layer).
         out = torch.empty_like(q)
-        out[:d] = self._decode(q[:d], k_cache, v_cache, ctx.seq_lens[:d], ctx.block_tables[:d], ctx)
-        out[d:] = self._prefill(
+        self._decode(
+            q[:d], k_cache, v_cache, ctx.seq_lens[:d], ctx.block_tables[:d], ctx, out=out[:d]
+        )
+        self._prefill(
             q[d:],
             k_cache,
             v_cache,
@@ -52,15 +55,31 @@ class Attention(nn.Module):
             ctx.prefill_seq_lens,
             ctx.prefill_block_tables,
             ctx,
+            out=out[d:],
         )
         return out
 
-    def _decode(self, q, k_cache, v_cache, seq_lens, block_tables, ctx) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, seq_lens, block_tables, ctx, out=None):
         return ops.paged_attention_decode(
-            q, k_cache, v_cache, seq_lens, block_tables, self.scale, max_seq_len=ctx.max_seqlen_k
+            q,
+            k_cache,
+            v_cache,
+            seq_lens,
+            block_tables,
+            self.scale,
+            max_seq_len=ctx.max_seqlen_k,
+            out=out,
         )
 
-    def _prefill(self, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, ctx):
+    def _prefill(self, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, ctx, out=None):
         return ops.paged_attention(
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, self.scale, ctx.max_seqlen_q
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            seq_lens,
+            block_tables,
+            self.scale,
+            ctx.max_seqlen_q,
+            out=out,
         )

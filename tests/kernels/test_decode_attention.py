@@ -146,3 +146,28 @@ def test_decode_cuda_graph_replay(close):
         v_cache.normal_()
         graph.replay()
         close(out, paged_attention_decode_ref(*args, 0.1), torch.bfloat16)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("fn", [paged_attention_decode, paged_attention_decode_ref])
+def test_decode_writes_into_out_view(device, close, fn, num_splits):
+    # A mixed step's decode rows are the first rows of the layer's output: the op writes that
+    # view in place, returns it, and leaves the rows after it as they were.
+    args = make_decode(LENS, 4, 2, 32, 8, torch.float32, device)
+    q = args[0]
+    buf = torch.full((q.shape[0] + 3, *q.shape[1:]), 7.0, device=device)
+    got = fn(*args, 0.2, num_splits, out=buf[: q.shape[0]])
+    assert got.data_ptr() == buf.data_ptr()
+    close(buf[: q.shape[0]], paged_attention_decode_ref(*args, 0.2), torch.float32)
+    assert torch.equal(buf[q.shape[0] :], torch.full_like(buf[q.shape[0] :], 7.0))
+
+
+def test_decode_rejects_bad_out(device):
+    args = make_decode([5, 9], 4, 2, 32, 8, torch.float32, device)
+    q = args[0]
+    with pytest.raises(ValueError, match="out must be"):
+        paged_attention_decode(*args, 0.1, out=torch.empty(3, 4, 32, device=device))
+    with pytest.raises(ValueError, match="out must be"):
+        paged_attention_decode(*args, 0.1, out=torch.empty_like(q, dtype=torch.float16))
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        paged_attention_decode(*args, 0.1, out=torch.empty(2, 4, 64, device=device)[..., ::2])

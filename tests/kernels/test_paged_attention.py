@@ -192,3 +192,19 @@ def test_varlen_attention_realistic(close):
     cu = torch.tensor([0, 2048, 2748, 4048], dtype=torch.int32, device="cuda")
     out = varlen_attention(q, k, v, cu, 2048, 128**-0.5)
     close(out, varlen_attention_ref(q, k, v, cu, 2048, 128**-0.5), torch.bfloat16)
+
+
+@pytest.mark.parametrize("fn", [paged_attention, paged_attention_ref])
+def test_paged_attention_writes_into_out_view(device, close, fn):
+    # A mixed step's prompt rows follow its decode rows: the op writes that tail view of the
+    # layer's output in place, returns it, and leaves the rows before it as they were.
+    q_lens, ctx_lens = BATCHES["mixed"]
+    args, _ = make_batch(q_lens, ctx_lens, 4, 2, 32, 8, torch.float32, device)
+    q = args[0]
+    buf = torch.full((q.shape[0] + 2, *q.shape[1:]), 7.0, device=device)
+    got = fn(*args, 0.2, max(q_lens), out=buf[2:])
+    assert got.data_ptr() == buf[2:].data_ptr()
+    close(buf[2:], paged_attention_ref(*args, 0.2, max(q_lens)), torch.float32)
+    assert torch.equal(buf[:2], torch.full_like(buf[:2], 7.0))
+    with pytest.raises(ValueError, match="out must be"):
+        fn(*args, 0.2, max(q_lens), out=buf)
