@@ -168,14 +168,18 @@ class Runner:
         finally:
             self.progress.close()
         self.stats.wall_s = time.monotonic() - start
-        entries = manifest.committed_shards(self.out_dir, self.fingerprint)
         num_shards, complete = None, False
         if finished:
             total = self.reader._next_index
             num_shards = math.ceil(total / self.job.output.shard_rows)
             manifest.write_job(self.out_dir, self._job_record(total, num_shards))
             complete = manifest.mark_success_if_complete(self.out_dir, self.fingerprint, num_shards)
-        stats = write_stats(self.out_dir, self.stats, entries, str(self.shard))
+        stats = write_stats(
+            self.out_dir,
+            self.stats,
+            lambda: manifest.committed_shards(self.out_dir, self.fingerprint),
+            str(self.shard),
+        )
         lines = summary_lines(self.stats, stats["job"], num_shards)
         if not finished:
             lines.append(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from batchgen.io import manifest
@@ -62,11 +63,25 @@ def job_totals(entries: dict[int, dict]) -> dict:
     return totals
 
 
-def write_stats(out_dir: str, run: RunStats, entries: dict[int, dict], task: str) -> dict:
-    """Write `_stats.json`: job totals over committed shards plus this run's own counters."""
-    stats = {"job": job_totals(entries), "last_run": {**run.to_dict(), "task": task}}
-    manifest.write_json(os.path.join(out_dir, manifest.STATS_FILE), stats)
-    return stats
+def write_stats(
+    out_dir: str, run: RunStats, read_entries: Callable[[], dict[int, dict]], task: str
+) -> dict:
+    """Write `_stats.json`: job totals over committed shards plus this run's own counters.
+
+    Slurm tasks that finish together each write the file, and the last write wins. A task that
+    read the committed shards just before another task's final commit would leave totals
+    without that shard, so the shards are read again after each write, and the file written
+    again while they changed. The last writer's final read then follows every commit whose
+    task wrote before it. Returns what was written last.
+    """
+    entries = read_entries()
+    while True:
+        stats = {"job": job_totals(entries), "last_run": {**run.to_dict(), "task": task}}
+        manifest.write_json(os.path.join(out_dir, manifest.STATS_FILE), stats)
+        latest = read_entries()
+        if latest.keys() == entries.keys():
+            return stats
+        entries = latest
 
 
 def summary_lines(run: RunStats, totals: dict, num_shards: int | None) -> list[str]:

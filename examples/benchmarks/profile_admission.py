@@ -3,11 +3,14 @@
 
 Usage (CUDA machine, repo root): python examples/benchmarks/profile_admission.py [PRESET]
 Prints the wall time of the admission steps timed alone, then a kernel table of the same steps
-on a second engine run under the profiler.
+on a second engine run under the profiler, then the host's Python hot spots of a third run
+under cProfile (where the host time goes when admission is host-bound).
 """
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import sys
 import time
 
@@ -33,7 +36,7 @@ def main() -> None:
     preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"
     # Prefix caching off there: the timed and the profiled pass submit the same prompts.
     engine, w = warm_nano_engine(preset)
-    for label in ("timed", "profiled"):
+    for label in ("timed", "profiled", "host"):
         submit(engine, w, label)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -43,6 +46,14 @@ def main() -> None:
             wall = time.perf_counter() - t0
             per_step = wall / steps * 1e3
             print(f"{preset}: admission {steps} steps, {wall:.3f} s ({per_step:.1f} ms/step)")
+        elif label == "host":
+            host = cProfile.Profile()
+            host.enable()
+            steps = admit(engine)
+            torch.cuda.synchronize()
+            host.disable()
+            print(f"host profile of {steps} admission steps (cProfile, by own time):")
+            pstats.Stats(host).sort_stats("tottime").print_stats(25)
         else:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 steps = admit(engine)
