@@ -10,13 +10,29 @@ reused in turn.
 
 from __future__ import annotations
 
+import array
+
 import torch
+
+# array.array type codes of the integer dtypes a step's inputs use (C int is 32 bits here).
+_ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
+assert array.array("i").itemsize == 4 and array.array("q").itemsize == 8
+
+
+def host_tensor(values, dtype: torch.dtype) -> torch.Tensor:
+    """values (flat list, nested list or numpy array) -> CPU tensor of dtype. A flat list of
+    ints goes through array.array: for a 16k-token prompt chunk that is about 4x faster than
+    torch.as_tensor, which converts element by element (three such lists a mixed step)."""
+    code = _ARRAY_CODES.get(dtype)
+    if code is not None and isinstance(values, list) and values and type(values[0]) is int:
+        return torch.frombuffer(array.array(code, values), dtype=dtype)
+    return torch.as_tensor(values, dtype=dtype)
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """values (list or numpy array) -> tensor of dtype on device; for code outside a runner
     step (tests, start-up), staged through freshly pinned memory on CUDA."""
-    t = torch.as_tensor(values, dtype=dtype)
+    t = host_tensor(values, dtype)
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
@@ -57,7 +73,7 @@ class PinnedStager:
 
     def to_device(self, values, dtype: torch.dtype, device: torch.device | None = None):
         """values (list, nested list or numpy array) -> tensor of dtype on the device."""
-        t = torch.as_tensor(values, dtype=dtype)
+        t = host_tensor(values, dtype)
         if self.device.type != "cuda":
             return t
         staged = self._buffer(t.numel() * t.element_size()).view(dtype).view(t.shape)
