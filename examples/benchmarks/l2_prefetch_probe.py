@@ -16,7 +16,15 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
 from graph_timing import graph_median_us  # noqa: E402
-from probe_chain import INTER, LAYERS, H, Q, layer_weights, row_op_body  # noqa: E402
+from probe_chain import (  # noqa: E402
+    INTER,
+    LAYERS,
+    H,
+    Q,
+    layer_weights,
+    prefetch_l2_share,
+    row_op_body,
+)
 
 # (label, prefetch on, bytes per prefetch instruction)
 VARIANTS = [("off", False, 1 << 16), ("on 64K", True, 1 << 16), ("on 1M", True, 1 << 20),
@@ -29,20 +37,7 @@ def _row_kernel(x_ptr, out_ptr, stride_x, stride_out, N, pf_ptr, pf_bytes,
                 BLOCK: tl.constexpr):  # fmt: skip
     # One row per program; MODE 0 = rms-like scale, 1 = copy, 2 = silu(gate) * up.
     if PREFETCH:
-        n = tl.num_programs(0)
-        share = tl.cdiv(tl.cdiv(pf_bytes, 16), n) * 16
-        lo = tl.program_id(0).to(tl.int64) * share
-        hi = tl.minimum(lo + share, pf_bytes)
-        for off in range(lo, hi, CHUNK):
-            size = tl.minimum(CHUNK, hi - off).to(tl.int32)
-            tl.inline_asm_elementwise(
-                "cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;",
-                "=r,l,r",
-                [pf_ptr + off, size],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
+        prefetch_l2_share(pf_ptr, pf_bytes, CHUNK)
     row_op_body(x_ptr, out_ptr, stride_x, stride_out, N, MODE, BLOCK)
 
 

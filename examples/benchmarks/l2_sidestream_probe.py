@@ -26,7 +26,15 @@ from batchgen.kernels.decode_attention import choose_num_splits, launch_decode
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_gap_probe import BS, HK, batch  # noqa: E402
 from graph_timing import graph_median_us  # noqa: E402
-from probe_chain import INTER, LAYERS, H, Q, layer_weights, row_op_body  # noqa: E402
+from probe_chain import (  # noqa: E402
+    INTER,
+    LAYERS,
+    H,
+    Q,
+    layer_weights,
+    prefetch_l2_share,
+    row_op_body,
+)
 
 BATCHES = [int(b) for b in os.environ.get("SIDE_BATCHES", "4,32,64,128,256").split(",") if b]
 # (label, mode, distance): mode None = no prefetch.
@@ -41,21 +49,7 @@ def _row_kernel(x_ptr, out_ptr, stride_x, stride_out, N, MODE: tl.constexpr, BLO
 
 @triton.jit
 def _bulk_prefetch_kernel(w_ptr, nbytes, CHUNK: tl.constexpr):
-    # Program p issues L2 prefetches over its share of the weight's bytes, CHUNK at a time.
-    n = tl.num_programs(0)
-    share = tl.cdiv(tl.cdiv(nbytes, 16), n) * 16
-    lo = tl.program_id(0).to(tl.int64) * share
-    hi = tl.minimum(lo + share, nbytes)
-    for off in range(lo, hi, CHUNK):
-        size = tl.minimum(CHUNK, hi - off).to(tl.int32)
-        tl.inline_asm_elementwise(
-            "cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;",
-            "=r,l,r",
-            [w_ptr + off, size],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+    prefetch_l2_share(w_ptr, nbytes, CHUNK)
 
 
 @triton.jit

@@ -1,6 +1,6 @@
-"""What the decode-chain probes (l2_prefetch_probe.py, pdl_probe.py) share: qwen3-0.6b-shaped
-layer weights, and the row kernel body, the small op between two projections of a decode
-layer, one row per program."""
+"""What the decode-chain probes (l2_prefetch_probe.py, l2_sidestream_probe.py, pdl_probe.py)
+share: qwen3-0.6b-shaped layer weights, the row kernel body (the small op between two
+projections of a decode layer, one row per program) and the L2 prefetch of a weight."""
 
 from __future__ import annotations
 
@@ -53,3 +53,23 @@ def row_op_body_ref(x, n: int, mode: int):
     if mode == 0:
         y = y * torch.rsqrt((y * y).mean(-1, keepdim=True) + 1e-6)
     return y.to(x.dtype)
+
+
+@triton.jit
+def prefetch_l2_share(w_ptr, nbytes, CHUNK: tl.constexpr):
+    # Program p of the grid issues `cp.async.bulk.prefetch.L2` over its share of the nbytes at
+    # w_ptr (a uint8 pointer), CHUNK bytes an instruction (shares are multiples of 16 bytes).
+    n = tl.num_programs(0)
+    share = tl.cdiv(tl.cdiv(nbytes, 16), n) * 16
+    lo = tl.program_id(0).to(tl.int64) * share
+    hi = tl.minimum(lo + share, nbytes)
+    for off in range(lo, hi, CHUNK):
+        size = tl.minimum(CHUNK, hi - off).to(tl.int32)
+        tl.inline_asm_elementwise(
+            "cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;",
+            "=r,l,r",
+            [w_ptr + off, size],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
