@@ -2,13 +2,18 @@
 F.linear on the [N, K] weight as stored, and through torch.mm on a [K, N] copy (a different
 cuBLAS layout, so possibly a different kernel choice).
 
-Usage (CUDA machine, repo root): python examples/benchmarks/gemm_shapes.py
+Usage (CUDA machine, repo root): python examples/benchmarks/gemm_shapes.py [waves]
+`waves` instead times llama3.1-8b's gate_up shape (K=4096) at widths around its 28,672: if
+cuBLAS's output tiles fill the 132 SMs in whole waves only, time steps up with whole waves of
+tiles instead of growing with the width.
 Times are CUDA-graph replays (triton.testing.do_bench_cudagraph), as the engine's decode steps
 run; each replay cycles through copies of the weight totalling at least 256 MB, so the weight
 comes from HBM, not the 50 MB L2, as it does between the layers of a real step.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +29,35 @@ SHAPES = {
 BATCHES = [4, 64, 128, 256]
 
 
+def time_linear(m: int, k: int, n: int) -> float:
+    """Microseconds of one F.linear [m, k] x [n, k]^T, weights from HBM (CUDA-graph replays)."""
+    copies = max(1, -(-(256 << 20) // (n * k * 2)))
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+
+    def linear():
+        for w in ws:
+            F.linear(x, w)
+
+    return do_bench_cudagraph(linear, rep=50) * 1e3 / copies
+
+
+def waves() -> None:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"gate_up widths (K=4096), us and weight TB/s; {sms} SMs, 128-column tiles per wave: "
+          f"{sms * 128}")  # fmt: skip
+    for m in (64, 128, 256):
+        cells = []
+        for n in (8448, 16896, 22528, 28672, 33792):
+            us = time_linear(m, 4096, n)
+            cells.append(f"N={n}: {us:6.1f} us {n * 4096 * 2 / us / 1e6:4.2f}")
+        print(f"  M={m:<4} " + "  ".join(cells), flush=True)
+
+
 def main() -> None:
+    if sys.argv[1:] == ["waves"]:
+        waves()
+        return
     torch.manual_seed(0)
     dt = torch.bfloat16
     print(f"{'preset':<12} {'proj':<8} {'M':>4} {'linear us':>10} {'mm(K,N) us':>11} "
