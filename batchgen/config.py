@@ -36,6 +36,12 @@ class EngineConfig:
             max_num_seqs // 16 sequences have finished, so the prompts that finished sequences
             make room for are prefilled together in one mixed step (mixed steps run eagerly,
             at a host cost per step); 1 tries every step.
+        fold_norms: fold each decoder layer's two RMSNorm weights into the projections they
+            feed (qkv, gate_up) when the model is loaded, so a layer runs no norm or
+            residual-add kernel (the kernels after those projections apply the row scale;
+            o / down add into the residual stream). Same function, rounded differently: off
+            keeps Hugging Face's order of roundings. Models with qkv or MLP biases are never
+            folded.
         allow_pickle: permit pickle `.bin` checkpoints (loaded with weights_only=True).
         seed: seeds weight-free randomness (the draw of seeds for requests without one).
     """
@@ -54,6 +60,7 @@ class EngineConfig:
     enforce_eager: bool = False
     async_scheduling: bool = True
     admission_interval: int = 32
+    fold_norms: bool = True
     allow_pickle: bool = False
     seed: int = 0
 

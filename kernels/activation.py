@@ -4,20 +4,38 @@ from __future__ import annotations
 
 import torch
 
-from .launch import check_dtype, check_launchable, tl, triton
+from .launch import check_dtype, check_launchable, pow2, tl, triton
+from .rms_norm import check_rms_rows, rms_scale_rows_ref
 
 _BLOCK = 1024
+# With rms_rows each program also reads its hidden row for the scale: wider column blocks
+# read it fewer times per row.
+_BLOCK_RMS = 4096
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, I, BLOCK: tl.constexpr):
-    # Grid (T, cdiv(I, BLOCK)): row t, columns [j*BLOCK, (j+1)*BLOCK) of gate and up.
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, rms_ptr, stride_x, stride_out, stride_rms, I, num_col_blocks, rms_eps,
+    BLOCK: tl.constexpr, ROW_RMS: tl.constexpr, HID: tl.constexpr, BLOCK_HID: tl.constexpr,
+):  # fmt: skip
+    # Program p: row t = p // num_col_blocks, columns [j*BLOCK, (j+1)*BLOCK) of gate and up,
+    # j = p % num_col_blocks (the blocks of one row run side by side, so with ROW_RMS the
+    # hidden row they all read stays in L2). ROW_RMS: gate_up came from the un-normalised
+    # hidden rows rms_ptr [T, HID] (the RMSNorm weight folded into the projection), so gate and
+    # up are first scaled by 1 / RMS of row t and rounded, as the normalised input would give.
+    pid = tl.program_id(0)
+    t = (pid // num_col_blocks).to(tl.int64)
+    cols = (pid % num_col_blocks) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
     row = x_ptr + t * stride_x
     gate = tl.load(row + cols, mask=mask, other=0.0)
     up = tl.load(row + I + cols, mask=mask, other=0.0)
+    if ROW_RMS:
+        hid = tl.arange(0, BLOCK_HID)
+        h = tl.load(rms_ptr + t * stride_rms + hid, mask=hid < HID, other=0.0).to(tl.float32)
+        scale = tl.rsqrt(tl.sum(h * h, axis=0) / HID + rms_eps)
+        gate = (gate.to(tl.float32) * scale).to(gate.dtype)
+        up = (up.to(tl.float32) * scale).to(up.dtype)
     g = gate.to(tl.float32)
     # Rounded to the input dtype before the product, as HF's act_fn(gate) * up.
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
@@ -25,33 +43,59 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, I, BLOCK: tl.cons
     tl.store(out_ptr + t * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def _check_args(op: str, x: torch.Tensor, rms_rows: torch.Tensor | None) -> None:
+    if not (x.dim() == 2 and x.shape[1] % 2 == 0):
+        raise ValueError(f"{op}: x must be [T, 2I], got {tuple(x.shape)}")
+    if rms_rows is not None:
+        check_rms_rows(op, rms_rows, x)
+
+
+def silu_and_mul(
+    x: torch.Tensor, rms_rows: torch.Tensor | None = None, rms_eps: float = 1e-6
+) -> torch.Tensor:
     """silu(gate) * up of a fused [gate | up] projection, Triton kernel.
 
     Args:
         x: [T, 2I] (bf16/fp16/fp32), columns [:I] the gate, [I:] the up projection; rows
             contiguous.
+        rms_rows: [T, H] hidden rows the projection ran on un-normalised, their RMSNorm weight
+            folded into its weight: row t of gate and up is first scaled by
+            1 / RMS(rms_rows[t]) (fp32, rounded to the dtype). None: x is used as given.
+        rms_eps: that RMSNorm's epsilon.
 
     Returns:
         [T, I] in x.dtype.
     """
     op = "silu_and_mul"
-    if not (x.dim() == 2 and x.shape[1] % 2 == 0):
-        raise ValueError(f"{op}: x must be [T, 2I], got {tuple(x.shape)}")
+    _check_args(op, x, rms_rows)
     if x.stride(1) != 1:
         raise ValueError(f"{op}: x rows must be contiguous, got strides {x.stride()}")
     check_dtype(op, "x", x)
-    check_launchable(op, x)
+    check_launchable(op, x, *([rms_rows] if rms_rows is not None else []))
     T, I = x.shape[0], x.shape[1] // 2
     out = torch.empty((T, I), dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    grid = (T, triton.cdiv(I, _BLOCK))
-    _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), I, BLOCK=_BLOCK, num_warps=4)
+    row_rms = rms_rows is not None
+    block = min(_BLOCK_RMS, pow2(I)) if row_rms else _BLOCK
+    hid = rms_rows.shape[1] if row_rms else 1
+    num_col_blocks = triton.cdiv(I, block)
+    _silu_and_mul_kernel[(T * num_col_blocks,)](
+        x, out, rms_rows if row_rms else x, x.stride(0), out.stride(0),
+        rms_rows.stride(0) if row_rms else 0, I, num_col_blocks, rms_eps,
+        BLOCK=block, ROW_RMS=row_rms, HID=hid, BLOCK_HID=pow2(hid),
+        num_warps=8 if block >= 2048 else 4,
+    )  # fmt: skip
     return out
 
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """Torch reference of silu_and_mul, in the input dtype like HF's LlamaMLP."""
+def silu_and_mul_ref(
+    x: torch.Tensor, rms_rows: torch.Tensor | None = None, rms_eps: float = 1e-6
+) -> torch.Tensor:
+    """Torch reference of silu_and_mul, in the input dtype like HF's LlamaMLP (after the row
+    scale when rms_rows is given)."""
+    _check_args("silu_and_mul", x, rms_rows)
+    if rms_rows is not None:
+        x = rms_scale_rows_ref(x, rms_rows, rms_eps)
     half = x.shape[-1] // 2
     return torch.nn.functional.silu(x[..., :half]) * x[..., half:]

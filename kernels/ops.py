@@ -24,6 +24,7 @@ __all__ = [
     "paged_attention",
     "paged_attention_decode",
     "rms_norm",
+    "rms_scale_rows",
     "rope_and_store_kv",
     "rotary_embedding",
     "sample_gumbel",
@@ -80,22 +81,35 @@ def rope_and_store_kv(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    rms_rows: torch.Tensor | None = None,
+    rms_eps: float = 1e-6,
 ) -> torch.Tensor:
     """Split qkv [T, (Hq + 2 Hk) * D], RMS-normalise the q/k heads (when the weights are given),
     rotate q and k, store k and v at slot_mapping [T] in the [NB, BS, Hk, D] caches; returns q
-    [T, Hq, D]. One kernel on GPU for what rms_norm, rotary_embedding and store_kvcache do."""
+    [T, Hq, D]. One kernel on GPU for what rms_norm, rotary_embedding and store_kvcache do.
+    With rms_rows [T, H] each qkv row is first scaled by 1 / RMS of that hidden row (an input
+    RMSNorm folded into the projection)."""
     args = (qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_cache, v_cache,
-            slot_mapping, q_norm_weight, k_norm_weight, eps)  # fmt: skip
+            slot_mapping, q_norm_weight, k_norm_weight, eps, rms_rows, rms_eps)  # fmt: skip
     if not use_triton(qkv):
         return _rope_store.rope_and_store_kv_ref(*args)
     return _rope_store.rope_and_store_kv(*args)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(x[:, :I]) * x[:, I:] for x [T, 2I]; returns [T, I]."""
+def rms_scale_rows(y: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """y [T, N] scaled row by row by 1 / RMS(x [T, H]), in torch on any device: the cache-free
+    forward's form of the step rope_and_store_kv and silu_and_mul fold in (rms_rows)."""
+    return _rms_norm.rms_scale_rows_ref(y, x, eps)
+
+
+def silu_and_mul(
+    x: torch.Tensor, rms_rows: torch.Tensor | None = None, rms_eps: float = 1e-6
+) -> torch.Tensor:
+    """silu(x[:, :I]) * x[:, I:] for x [T, 2I]; returns [T, I]. With rms_rows [T, H] each row
+    of x is first scaled by 1 / RMS of that hidden row (an RMSNorm folded into gate_up)."""
     if not use_triton(x):
-        return _activation.silu_and_mul_ref(x)
-    return _activation.silu_and_mul(x)
+        return _activation.silu_and_mul_ref(x, rms_rows, rms_eps)
+    return _activation.silu_and_mul(x, rms_rows, rms_eps)
 
 
 def store_kvcache(

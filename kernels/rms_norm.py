@@ -134,3 +134,31 @@ def fused_add_rms_norm_ref(
     """Torch reference of fused_add_rms_norm: HF's `hidden = residual + hidden`, then the norm."""
     new_residual = residual + x
     return rms_norm_ref(new_residual, weight, eps), new_residual
+
+
+# ---- RMSNorm folded into the next projection ---------------------------------------------------
+# norm(x) @ W.T == (x @ (W * weight).T) * rsqrt(mean(x^2) + eps) row by row: with the norm's
+# weight folded into the projection's input columns, the projection runs on the un-normalised
+# rows and the kernel that consumes its output (rope_and_store_kv, silu_and_mul) applies the
+# row's 1 / RMS, so no norm kernel runs between the residual add and the projection.
+
+
+def check_rms_rows(op: str, rms_rows: torch.Tensor, y: torch.Tensor) -> None:
+    """rms_rows must be [T, H] in y's dtype with contiguous rows, T = y.shape[0]."""
+    if not (rms_rows.dim() == 2 and rms_rows.shape[0] == y.shape[0]):
+        raise ValueError(f"{op}: rms_rows must be [{y.shape[0]}, H], got {tuple(rms_rows.shape)}")
+    if rms_rows.dtype != y.dtype:
+        raise ValueError(f"{op}: rms_rows dtype {rms_rows.dtype} != {y.dtype}")
+    if rms_rows.stride(1) != 1:
+        raise ValueError(f"{op}: rms_rows rows must be contiguous, got {rms_rows.stride()}")
+
+
+def rms_row_scale_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / RMS of each row of x [T, H] as RMSNorm computes it: [T, 1] float32."""
+    h = x.float()
+    return torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_scale_rows_ref(y: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """y [T, N] scaled row by row by 1 / RMS(x [T, H]) in fp32, rounded to y's dtype."""
+    return (y.float() * rms_row_scale_ref(x, eps)).to(y.dtype)

@@ -13,24 +13,29 @@ import torch
 
 from .kv_cache import store_kvcache_ref
 from .launch import check_caches, check_dtype, check_launchable, pow2, tl, triton
-from .rms_norm import rms_norm_ref
+from .rms_norm import check_rms_rows, rms_norm_ref, rms_scale_rows_ref
 from .rotary import check_positions_and_table, rotary_embedding_ref
 
 
 @triton.jit
 def _norm_rope_heads(
-    src, dst, w_ptr, cos, sin, eps, H,
+    src, dst, w_ptr, cos, sin, eps, H, row_scale,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, QK_NORM: tl.constexpr,
+    ROW_RMS: tl.constexpr,
 ):  # fmt: skip
     # H heads of D = 2 * HALF contiguous values at src -> dst, as [BLOCK_H, BLOCK_HALF] halves;
     # cos/sin are [1, BLOCK_HALF] fp32. Roundings as the unfused kernels: the norm's output is
-    # rounded to the input dtype, then rotated in fp32 and rounded once more.
+    # rounded to the input dtype, then rotated in fp32 and rounded once more. ROW_RMS first
+    # scales the values by row_scale (fp32) and rounds, as a separate kernel would.
     heads = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < H) & (d < HALF)
     offs = heads * (2 * HALF) + d
     x1 = tl.load(src + offs, mask=mask, other=0.0)
     x2 = tl.load(src + offs + HALF, mask=mask, other=0.0)
+    if ROW_RMS:
+        x1 = (x1.to(tl.float32) * row_scale).to(x1.dtype)
+        x2 = (x2.to(tl.float32) * row_scale).to(x2.dtype)
     if QK_NORM:
         h1 = x1.to(tl.float32)
         h2 = x2.to(tl.float32)
@@ -47,38 +52,56 @@ def _norm_rope_heads(
 
 
 @triton.jit
+def _row_rms_scale(rows_ptr, t, stride_row, eps, HID: tl.constexpr, BLOCK_HID: tl.constexpr):
+    # 1 / RMS of row t of a [T, HID] tensor, fp32: rsqrt(mean(x^2) + eps), as RMSNorm's.
+    cols = tl.arange(0, BLOCK_HID)
+    x = tl.load(rows_ptr + t * stride_row + cols, mask=cols < HID, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(x * x, axis=0) / HID + eps)
+
+
+@triton.jit
 def _rope_store_kv_kernel(
     qkv_ptr, pos_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-    stride_t, stride_cos_sin, stride_qo, eps,
+    rms_ptr, stride_t, stride_cos_sin, stride_qo, stride_rms, eps, rms_eps,
     HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_KV: tl.constexpr,
-    QK_NORM: tl.constexpr,
+    QK_NORM: tl.constexpr, ROW_RMS: tl.constexpr, HID: tl.constexpr, BLOCK_HID: tl.constexpr,
 ):  # fmt: skip
     # One program per token t: its qkv row is [q: HQ * D | k: HK * D | v: HK * D]. q goes to
     # q_out[t]; k and v go to cache slot slot[t] (a [HK, D] row of the [NB, BS, HK, D] caches),
-    # unless slot[t] < 0 (padding).
+    # unless slot[t] < 0 (padding). ROW_RMS: the projection ran on the un-normalised hidden row
+    # t of rms_ptr [T, HID] (its RMSNorm weight folded into the weights), so the whole qkv row
+    # is first scaled by that row's 1 / RMS.
     t = tl.program_id(0).to(tl.int64)
+    row_scale = 1.0
+    if ROW_RMS:
+        row_scale = _row_rms_scale(rms_ptr, t, stride_rms, rms_eps, HID, BLOCK_HID)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, BLOCK_HALF)
     row = cos_sin_ptr + pos * stride_cos_sin
     cos = tl.load(row + d, mask=d < HALF, other=0.0)[None, :]
     sin = tl.load(row + HALF + d, mask=d < HALF, other=0.0)[None, :]
     src = qkv_ptr + t * stride_t
-    _norm_rope_heads(src, q_out_ptr + t * stride_qo, q_w_ptr, cos, sin, eps, HQ,
-                     HALF, BLOCK_HQ, BLOCK_HALF, QK_NORM)  # fmt: skip
+    _norm_rope_heads(src, q_out_ptr + t * stride_qo, q_w_ptr, cos, sin, eps, HQ, row_scale,
+                     HALF, BLOCK_HQ, BLOCK_HALF, QK_NORM, ROW_RMS)  # fmt: skip
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
         kv_row = HK * 2 * HALF
         _norm_rope_heads(src + HQ * 2 * HALF, k_cache_ptr + slot * kv_row, k_w_ptr, cos, sin,
-                         eps, HK, HALF, BLOCK_HK, BLOCK_HALF, QK_NORM)  # fmt: skip
+                         eps, HK, row_scale, HALF, BLOCK_HK, BLOCK_HALF, QK_NORM,
+                         ROW_RMS)  # fmt: skip
         cols = tl.arange(0, BLOCK_KV)
         v = tl.load(src + (HQ + HK) * 2 * HALF + cols, mask=cols < kv_row)
+        if ROW_RMS:
+            v = (v.to(tl.float32) * row_scale).to(v.dtype)
         tl.store(v_cache_ptr + slot * kv_row + cols, v, mask=cols < kv_row)
 
 
 def _check_args(op, qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_cache, v_cache,
-                slot_mapping, q_norm_weight, k_norm_weight) -> None:  # fmt: skip
+                slot_mapping, q_norm_weight, k_norm_weight, rms_rows) -> None:  # fmt: skip
     check_caches(op, k_cache, v_cache)
+    if rms_rows is not None:
+        check_rms_rows(op, rms_rows, qkv)
     hk, d = k_cache.shape[2], k_cache.shape[3]
     if hk != num_kv_heads:
         raise ValueError(f"{op}: cache has {hk} kv heads, expected num_kv_heads={num_kv_heads}")
@@ -120,6 +143,8 @@ def rope_and_store_kv(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    rms_rows: torch.Tensor | None = None,
+    rms_eps: float = 1e-6,
 ) -> torch.Tensor:
     """q/k-norm (optional), rotary and the cache write of a fused qkv projection, one Triton
     kernel; the same values as rms_norm, rotary_embedding and store_kvcache in turn.
@@ -134,13 +159,17 @@ def rope_and_store_kv(
         q_norm_weight, k_norm_weight: [D] RMSNorm weights applied to every q / k head before
             the rotation (Qwen3), or both None.
         eps: the norm's epsilon.
+        rms_rows: [T, H] hidden rows the projection ran on un-normalised, their RMSNorm weight
+            folded into its weight (see `fold_rms_weight`): every qkv row t is first scaled by
+            1 / RMS(rms_rows[t]) (fp32, rounded to the dtype). None: qkv is used as given.
+        rms_eps: that RMSNorm's epsilon.
 
     Returns:
         q: [T, Hq, D] rotated (and normalised), a new contiguous tensor in qkv's dtype.
     """
     op = "rope_and_store_kv"
     _check_args(op, qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_cache, v_cache,
-                slot_mapping, q_norm_weight, k_norm_weight)  # fmt: skip
+                slot_mapping, q_norm_weight, k_norm_weight, rms_rows)  # fmt: skip
     if qkv.stride(1) != 1 or cos_sin_cache.stride(1) != 1:
         raise ValueError(f"{op}: qkv and cos_sin_cache rows must be contiguous")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -150,20 +179,25 @@ def rope_and_store_kv(
     if norm and not (q_norm_weight.is_contiguous() and k_norm_weight.is_contiguous()):
         raise ValueError(f"{op}: norm weights must be contiguous")
     tensors = [qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping]
-    check_launchable(op, *tensors, *([q_norm_weight, k_norm_weight] if norm else []))
+    tensors += [q_norm_weight, k_norm_weight] if norm else []
+    check_launchable(op, *tensors, *([rms_rows] if rms_rows is not None else []))
     T, D = qkv.shape[0], k_cache.shape[3]
     q_out = torch.empty((T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
     if T == 0:
         return q_out
     block_hq, block_half = pow2(num_heads), pow2(D // 2)
+    row_rms = rms_rows is not None
+    hid = rms_rows.shape[1] if row_rms else 1
     _rope_store_kv_kernel[(T,)](
         qkv, positions, cos_sin_cache,
         q_norm_weight if norm else qkv, k_norm_weight if norm else qkv,
-        slot_mapping, q_out, k_cache, v_cache,
-        qkv.stride(0), cos_sin_cache.stride(0), q_out.stride(0), eps,
+        slot_mapping, q_out, k_cache, v_cache, rms_rows if row_rms else qkv,
+        qkv.stride(0), cos_sin_cache.stride(0), q_out.stride(0),
+        rms_rows.stride(0) if row_rms else 0, eps, rms_eps,
         HQ=num_heads, HK=num_kv_heads, HALF=D // 2, BLOCK_HQ=block_hq,
         BLOCK_HK=pow2(num_kv_heads), BLOCK_HALF=block_half, BLOCK_KV=pow2(num_kv_heads * D),
-        QK_NORM=norm, num_warps=4 if block_hq * block_half >= 2048 else 2,
+        QK_NORM=norm, ROW_RMS=row_rms, HID=hid, BLOCK_HID=pow2(hid),
+        num_warps=4 if block_hq * block_half >= 2048 else 2,
     )  # fmt: skip
     return q_out
 
@@ -180,10 +214,16 @@ def rope_and_store_kv_ref(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    rms_rows: torch.Tensor | None = None,
+    rms_eps: float = 1e-6,
 ) -> torch.Tensor:
-    """Torch reference of rope_and_store_kv: the references of the three unfused ops in turn."""
+    """Torch reference of rope_and_store_kv: the row scale (if any), then the references of the
+    three unfused ops in turn."""
     _check_args("rope_and_store_kv", qkv, positions, cos_sin_cache, num_heads, num_kv_heads,
-                k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight)  # fmt: skip
+                k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight,
+                rms_rows)  # fmt: skip
+    if rms_rows is not None:
+        qkv = rms_scale_rows_ref(qkv, rms_rows, rms_eps)
     T, D = qkv.shape[0], k_cache.shape[3]
     q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
     q = q.reshape(T, num_heads, D)

@@ -54,6 +54,9 @@ from batchgen.config import ConfigError, EngineConfig
 )
 @click.option("--enforce-eager", is_flag=True, help="Never use CUDA graphs.")
 @click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
+@click.option(
+    "--no-fold-norms", is_flag=True, help="Keep RMSNorm kernels (HF's order of roundings)."
+)
 @click.option("--max-num-seqs", type=int, default=None)
 @click.option("--max-num-batched-tokens", type=int, default=None)
 @click.option("--admission-interval", type=int, default=None)
@@ -91,6 +94,7 @@ def bench(**kw) -> None:
             device=kw["device"],
             enforce_eager=kw["enforce_eager"],
             enable_prefix_caching=not kw["no_prefix_caching"],
+            fold_norms=not kw["no_fold_norms"],
             seed=kw["seed"],
             **options,
         )

@@ -5,15 +5,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# With folded norms (LlamaForCausalLM.fold_norms_), the norm whose weight each fused
+# projection holds: fused name -> that layer's norm module name.
+_FOLDED_NORMS = {"qkv_proj": "input_layernorm", "gate_up_proj": "post_attention_layernorm"}
+
 
 def to_hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Un-fuse qkv_proj / gate_up_proj into HF's q/k/v and gate/up tensors (views, no copies)."""
+    """Un-fuse qkv_proj / gate_up_proj into HF's q/k/v and gate/up tensors (views, no copies).
+
+    A model whose norms are folded (the engine folds them) gets the norm weights divided back
+    out of those projections, in fp32 then rounded to the weights' dtype (new tensors): exact
+    where the norm weights are powers of two (the benchmarks' ones), within a rounding of
+    the weights otherwise.
+    """
     inverse: dict[str, list[str]] = {}
     for hf_part, (ours, shard) in model.packed_modules.items():
         inverse.setdefault(ours, [None] * len(model.shard_sizes(ours)))[shard] = hf_part
+    state = model.state_dict()
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state.items():
         fused = next((f for f in inverse if f".{f}." in name), None)
+        if fused is not None and getattr(model, "norms_folded", False) and "weight" in name:
+            layer = name.split(f".{fused}.")[0]  # "model.layers.3.self_attn" or "...3.mlp"
+            norm = state[f"{layer.rsplit('.', 1)[0]}.{_FOLDED_NORMS[fused]}.weight"]
+            tensor = (tensor.float() / norm.float()).to(tensor.dtype)
         if fused is None:
             out[name] = tensor
             continue

@@ -39,25 +39,42 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, ctx: AttentionContext
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        ctx: AttentionContext,
+        rms_eps: float | None = None,
     ) -> torch.Tensor:
+        """hidden [T, H] -> attention output [T, H].
+
+        rms_eps given (norms folded, see LlamaForCausalLM.fold_norms_): hidden is the
+        un-normalised residual stream, the input norm's weight sits in qkv_proj, and the row
+        scale 1 / RMS(hidden) is applied to the qkv rows (in rope_and_store_kv on the cache
+        path). The o projection is then added into hidden in place, which is returned.
+        """
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hk) * D]
+        folded = rms_eps is not None
         if ctx.kv_caches is None:
+            if folded:
+                qkv = ops.rms_scale_rows(qkv, hidden, rms_eps)
             q, k, v = self._split_norm_rope(positions, qkv)
             out = self.attn(q, k, v, ctx)  # [T, Hq, D]
         else:
-            # q/k-norm, rotary and the cache write of k/v in one kernel on GPU.
+            # Row scale, q/k-norm, rotary and the cache write of k/v in one kernel on GPU.
             k_cache, v_cache = ctx.kv_caches[self.attn.layer_idx]
-            norms = (
-                (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
-            )
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
             q = ops.rope_and_store_kv(
                 qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
                 k_cache, v_cache, ctx.slot_mapping, *norms,
+                self.q_norm.eps if self.qk_norm else 1e-6,
+                rms_rows=hidden if folded else None, rms_eps=rms_eps or 1e-6,
             )  # fmt: skip
             out = self.attn.attend(q, ctx)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
+        out = out.reshape(num_tokens, self.q_size)
+        if not folded:
+            return self.o_proj(out)  # [T, hidden]
+        return _add_projection_(hidden, out, self.o_proj)
 
     def _split_norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor):
         """The cache-free path (plain forwards): qkv -> rotated q [T, Hq, D], k [T, Hk, D], v."""
@@ -82,8 +99,24 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
         self.act_fn = SiluAndMul()
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(hidden)))  # [T, 2I] -> [T, I] -> [T, H]
+    def forward(self, hidden: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
+        """[T, H] -> [T, 2I] -> [T, I] -> [T, H]. rms_eps given (norms folded): hidden is the
+        un-normalised residual stream, scaled by 1 / RMS inside SiLU-and-mul, and the down
+        projection is added into hidden in place, which is returned."""
+        gate_up = self.gate_up_proj(hidden)
+        if rms_eps is None:
+            return self.down_proj(self.act_fn(gate_up))
+        act = self.act_fn(gate_up, rms_rows=hidden, rms_eps=rms_eps)
+        return _add_projection_(hidden, act, self.down_proj)
+
+
+def _add_projection_(residual: torch.Tensor, x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
+    """residual += proj(x) in place: the residual add done by the GEMM itself (beta = 1), so no
+    add kernel runs between the projection and the next one. Returns residual."""
+    residual.addmm_(x, proj.weight.t())
+    if proj.bias is not None:
+        residual.add_(proj.bias)
+    return residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -93,6 +126,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norms_folded = False  # set by LlamaForCausalLM.fold_norms_
 
     def forward(
         self,
@@ -100,7 +134,13 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         ctx: AttentionContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.norms_folded:
+            # hidden is the residual stream; both norms sit in the next projections' weights and
+            # both residual adds in the o / down GEMMs: no norm or add kernel in the layer.
+            eps = self.input_layernorm.eps
+            hidden = self.self_attn(positions, hidden, ctx, rms_eps=eps)
+            return self.mlp(hidden, rms_eps=self.post_attention_layernorm.eps), None
         # The residual stream is carried separately so the add fuses into the next RMSNorm.
         if residual is None:
             residual = hidden
@@ -131,6 +171,8 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, ctx)
+        if residual is None:  # folded layers leave the whole stream in hidden
+            return self.norm(hidden)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -165,6 +207,40 @@ class LlamaForCausalLM(nn.Module):
             kv = c.num_key_value_heads * c.head_dim
             return [c.num_attention_heads * c.head_dim, kv, kv]
         return [c.intermediate_size, c.intermediate_size]
+
+    @property
+    def norms_folded(self) -> bool:
+        return self.model.layers[0].norms_folded if len(self.model.layers) else False
+
+    def can_fold_norms(self) -> bool:
+        """Folding needs bias-free qkv and gate_up projections: a bias is added after the
+        row scale, which would scale it too."""
+        return not (self.config.qkv_bias or self.config.mlp_bias)
+
+    @torch.no_grad()
+    def fold_norms_(self) -> bool:
+        """Fold each layer's two RMSNorm weights into the projections they feed, in place.
+
+        norm(x) @ W.T equals (x @ (W * weight).T) scaled row by row by 1 / RMS(x); the
+        kernels after the projections (rope_and_store_kv, silu_and_mul) apply that scale, and
+        the o / down projections add into the residual stream themselves. A decode step then
+        runs no norm or residual-add kernel inside a layer (two launches fewer per layer).
+        The product W * weight is rounded once to the weights' dtype: outputs agree with the
+        unfolded model to rounding, not bit for bit. `to_hf_state_dict` divides it back out.
+
+        Returns whether the model is folded (False for biased qkv / gate_up projections).
+        """
+        if self.norms_folded:
+            return True
+        if not self.can_fold_norms():
+            return False
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            # [N, H] * [H]: the norm weight scales the projection's input columns.
+            attn.qkv_proj.weight.mul_(layer.input_layernorm.weight)
+            mlp.gate_up_proj.weight.mul_(layer.post_attention_layernorm.weight)
+            layer.norms_folded = True
+        return True
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext

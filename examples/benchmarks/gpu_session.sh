@@ -3,7 +3,7 @@
 # Usage (repo root, on a CUDA box): bash examples/benchmarks/gpu_session.sh [STAGE...]
 # Stages: tests kernels nano-qwen nano-llama nano-qwen3 nano-llama3 shared-prefix summarize score peer-qwen peer-llama
 #         profile-qwen profile-llama profile-qwen-small decode-tune admission-qwen
-#         admission-llama placement gemm
+#         admission-llama placement gemm ncu-decode ncu-gemm
 # Writes logs and JSON under $OUT (default ./out/gpu). Wheels in .whl/ (e.g. polars) are
 # installed to /tmp/site first when present, for machines without them.
 set -uo pipefail
@@ -50,6 +50,24 @@ for stage in $stages; do
       --json "$OUT/nano_qwen_r3.json" ;;
     nano-llama3) bench --workload nano --model-preset llama3.1-8b --repeat 3 \
       --json "$OUT/nano_llama_r3.json" ;;
+    ncu-decode) python3 examples/benchmarks/ncu_target.py attn 64 --dump "$OUT/sass"
+      cuobjdump -sass "$OUT/sass/decode_split.cubin" > "$OUT/sass/decode_split.sass"
+      for b in ${NCU_BATCHES:-32 64 128 256}; do
+        ncu --clock-control none -k regex:_decode_split_kernel --launch-skip 2 --launch-count 1 \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+          --section WarpStateStats --section SchedulerStats --section LaunchStats \
+          python3 examples/benchmarks/ncu_target.py attn "$b" > "$OUT/ncu_decode_$b.txt" 2>&1
+        grep -E "attn B=|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occ|Stall|Registers Per|Block Limit|Waves Per" \
+          "$OUT/ncu_decode_$b.txt"
+      done ;;
+    ncu-gemm) for mkn in ${NCU_GEMMS:-"128 4096 28672" "256 4096 28672" "64 1024 6144"}; do
+        ncu --clock-control none --launch-skip 2 --launch-count 1 \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+          --section LaunchStats python3 examples/benchmarks/ncu_target.py gemm $mkn \
+          > "$OUT/ncu_gemm_${mkn// /_}.txt" 2>&1
+        grep -E "gemm M=|  [a-z_0-9]*(gemm|kernel|sm90)[a-zA-Z_0-9]*|Duration|DRAM Throughput|Memory Throughput|Grid Size|Waves Per" \
+          "$OUT/ncu_gemm_${mkn// /_}.txt" | head -12
+      done ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -18,12 +18,16 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[0] + [rng.randrange(5, 500) for _ in range(rng.randrange(3, 300))] for _ in range(n)]
 
 
+@pytest.mark.parametrize("fold_norms", [True, False], ids=["folded", "unfolded"])
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
-def test_tiny_greedy_gpu_equals_cpu(tiny_model_dir, enforce_eager):
+def test_tiny_greedy_gpu_equals_cpu(tiny_model_dir, enforce_eager, fold_norms):
     path = tiny_model_dir("qwen3")
     batch = prompts(24)
     params = SamplingParams(max_tokens=48, temperature=0.0)
-    common = dict(dtype="float32", max_model_len=512, num_kv_blocks=1024, max_num_seqs=16)
+    common = dict(
+        dtype="float32", max_model_len=512, num_kv_blocks=1024, max_num_seqs=16,
+        fold_norms=fold_norms,
+    )  # fmt: skip
     cpu = LLM(path, device="cpu", **common).generate(batch, params, use_tqdm=False)
     gpu_llm = LLM(path, device="cuda", enforce_eager=enforce_eager, **common)
     gpu = gpu_llm.generate(batch, params, use_tqdm=False)
@@ -57,8 +61,10 @@ def test_async_scheduling_equals_sync_on_gpu(tiny_model_dir):
     assert {o.finish_reason for o in outs[True]} == {"stop", "length"}
 
 
-def test_llama31_8b_shape_bf16_logits_match_transformers():
-    """Our bf16 logits are as close to an fp32 reference as transformers' own bf16 logits.
+@pytest.mark.parametrize("fold_norms", [True, False], ids=["folded", "unfolded"])
+def test_llama31_8b_shape_bf16_logits_match_transformers(fold_norms):
+    """Our bf16 logits are as close to an fp32 reference as transformers' own bf16 logits,
+    with the norms folded into the projections (as the engine runs it) or not.
 
     A random 32-layer model amplifies rounding, so bf16 runs of the same weights legitimately
     differ; the fair bar is transformers' own bf16 error against fp32 transformers.
@@ -77,17 +83,20 @@ def test_llama31_8b_shape_bf16_logits_match_transformers():
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
+            if "norm" in name:  # not ones, so folding changes the weights
+                p.uniform_(0.5, 1.5, generator=gen)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+    # The reference gets the unfolded weights; the fold's own rounding counts as ours.
+    state = {k: v.float() for k, v in to_hf_state_dict(model).items()}
+    if fold_norms:
+        assert model.fold_norms_()
     batch = prompts(3, seed=1)
     ids = torch.tensor([t for p in batch for t in p], device=device)
     pos = torch.cat([torch.arange(len(p), device=device) for p in batch])
     with torch.no_grad():
         hidden = model(ids, pos, AttentionContext.for_prompts([len(p) for p in batch], device))
         ours = model.compute_logits(hidden).float()
-    state = {k: v.float() for k, v in to_hf_state_dict(model).items()}
     del model, hidden
     torch.cuda.empty_cache()
     hf_config = transformers.LlamaConfig(**{k: v for k, v in preset.items() if k != "torch_dtype"})

@@ -43,3 +43,26 @@ def test_ref_matches_formula():
 def test_silu_and_mul_realistic(close, dtype):
     x = torch.randn(4096, 2 * 14336, device="cuda", dtype=dtype)
     close(silu_and_mul(x), silu_and_mul_ref(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T, inter, hidden", [(1, 8, 16), (5, 40, 24), (3, 5000, 48)])
+def test_silu_and_mul_row_scale_matches_ref(device, close, T, inter, hidden, dtype):
+    # rms_rows: gate and up of row t scaled by 1 / RMS(rms_rows[t]) first; 5000 columns span
+    # two column blocks of a row.
+    g = torch.Generator().manual_seed(1)
+    x = (3 * torch.randn(T, 2 * inter, generator=g)).to(dtype).to(device)
+    rows = (5 * torch.randn(T, hidden, generator=g)).to(dtype).to(device)
+    out = silu_and_mul(x, rms_rows=rows, rms_eps=1e-5)
+    ref = silu_and_mul_ref(x, rms_rows=rows, rms_eps=1e-5)
+    assert out.shape == (T, inter) and out.dtype == dtype
+    close(out, ref, dtype)
+    assert not torch.allclose(ref, silu_and_mul_ref(x))
+
+
+def test_silu_and_mul_rejects_bad_rms_rows(device):
+    x = torch.randn(3, 8, device=device)
+    with pytest.raises(ValueError, match=r"rms_rows must be \[3, H\]"):
+        silu_and_mul(x, rms_rows=torch.randn(2, 4, device=device))
+    with pytest.raises(ValueError, match="rms_rows dtype"):
+        silu_and_mul(x, rms_rows=torch.randn(3, 4, device=device).half())

@@ -95,3 +95,26 @@ def test_rms_norm_realistic(close, dtype, hidden):
     ref_normed, ref_res = fused_add_rms_norm_ref(x, res, w, 1e-6)
     assert torch.equal(new_res, ref_res)
     close(normed, ref_normed, dtype)
+
+
+def test_folded_norm_identity():
+    # norm(x) @ W.T == (x @ (W * weight).T) * rsqrt(mean(x^2) + eps): the identity that lets the
+    # model fold its norms into the next projection and scale rows afterwards (fp64 values; both
+    # references take the statistics in fp32, as HF does).
+    from batchgen.kernels.activation import silu_and_mul_ref
+    from batchgen.kernels.rms_norm import rms_scale_rows_ref
+
+    g = torch.Generator().manual_seed(0)
+    x = 4 * torch.randn(7, 32, generator=g, dtype=torch.float64)
+    w = 1 + 0.3 * torch.randn(32, generator=g, dtype=torch.float64)
+    proj = torch.randn(40, 32, generator=g, dtype=torch.float64)
+    plain = rms_norm_ref(x, w, 1e-6) @ proj.T
+    folded = rms_scale_rows_ref(x @ (proj * w).T, x, 1e-6)
+    torch.testing.assert_close(folded, plain, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(x @ (proj * w).T, plain, atol=1e-3)  # the scale matters
+    torch.testing.assert_close(
+        silu_and_mul_ref(x @ (proj * w).T, rms_rows=x, rms_eps=1e-6),
+        silu_and_mul_ref(plain),
+        atol=1e-4,
+        rtol=1e-4,
+    )

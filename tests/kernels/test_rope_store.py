@@ -115,3 +115,38 @@ def test_rope_and_store_kv_realistic(hq, qk_norm, T):
         assert (out == ref).float().mean().item() > 0.999
     if not qk_norm:
         assert torch.equal(q, q_u) and torch.equal(k_cache, k_u)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("T, hq, hk, d, hidden", [(1, 2, 1, 16, 24), (9, 4, 2, 32, 100)])
+def test_rope_and_store_kv_row_scale_matches_ref(device, close, T, hq, hk, d, hidden, dtype,
+                                                 qk_norm):  # fmt: skip
+    # rms_rows: every qkv row (q, k and v) scaled by 1 / RMS of its hidden row first.
+    args, norms = _case(T, hq, hk, d, dtype, device, qk_norm, seed=5)
+    g = torch.Generator().manual_seed(6)
+    rows = (3 * torch.randn(T, hidden, generator=g)).to(dtype).to(device)
+    extra = dict(rms_rows=rows, rms_eps=1e-5)
+    eps = norms[2] if norms else 1e-6
+    norms = norms[:2] if norms else (None, None)
+    q, k_cache, v_cache = _run(lambda *a: rope_and_store_kv(*a, eps, **extra), args, norms)
+    q_ref, k_ref, v_ref = _run(lambda *a: rope_and_store_kv_ref(*a, eps, **extra), args, norms)
+    close(q, q_ref, dtype, scale=4)
+    close(k_cache, k_ref, dtype, scale=4)
+    close(v_cache, v_ref, dtype)
+    # The scale is not 1: the unscaled op gives other values.
+    plain, k_plain, v_plain = _run(lambda *a: rope_and_store_kv_ref(*a, eps), args, norms)
+    assert not torch.allclose(v_plain, v_ref)
+    if not qk_norm:  # q/k-norm undoes a per-row scale of q and k (up to eps)
+        assert not torch.allclose(plain, q_ref)
+
+
+def test_rope_and_store_kv_rejects_bad_rms_rows(device):
+    args, _ = _case(4, 4, 2, 16, torch.float32, device, False)
+    rows = torch.randn(4, 8, device=device)
+    with pytest.raises(ValueError, match=r"rms_rows must be \[4, H\]"):
+        rope_and_store_kv(*args, rms_rows=rows[:3])
+    with pytest.raises(ValueError, match="rms_rows dtype"):
+        rope_and_store_kv(*args, rms_rows=rows.half())
+    with pytest.raises(ValueError, match="rms_rows rows must be contiguous"):
+        rope_and_store_kv(*args, rms_rows=rows.t().contiguous().t())

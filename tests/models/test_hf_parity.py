@@ -37,8 +37,10 @@ def ragged_logits(model, prompts: list[list[int]]) -> torch.Tensor:
         return model.compute_logits(hidden)  # [T, V]
 
 
-def assert_logits_match(path: str) -> None:
+def assert_logits_match(path: str, fold_norms: bool = False) -> None:
     model, _ = load_model(path, "float32", "cpu")
+    if fold_norms:
+        assert model.fold_norms_() == model.can_fold_norms()
     ref_model = hf_model(path)
     from batchgen.models.tokenizer import Tokenizer
 
@@ -57,10 +59,32 @@ def test_logits_equal_transformers_on_ragged_batch(tiny_model_dir, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_continuation_equals_transformers(tiny_model_dir, arch):
+def test_folded_norms_logits_equal_transformers(tiny_model_dir, arch):
+    # RMSNorm weights folded into qkv / gate_up, rows scaled after them, residual adds in the
+    # o / down GEMMs: the same function (Qwen2's biased qkv is never folded).
+    assert_logits_match(tiny_model_dir(arch), fold_norms=True)
+
+
+def test_fold_norms_is_idempotent_and_refused_with_biases(tiny_model_dir):
+    model, _ = load_model(tiny_model_dir("llama"), "float32", "cpu")
+    assert not model.norms_folded
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight.clone()
+    assert model.fold_norms_() and model.norms_folded
+    once = model.model.layers[0].self_attn.qkv_proj.weight.clone()
+    assert not torch.equal(once, qkv)  # the tiny model's norm weights are not ones
+    assert model.fold_norms_()
+    assert torch.equal(model.model.layers[0].self_attn.qkv_proj.weight, once)
+    qwen2, _ = load_model(tiny_model_dir("qwen2"), "float32", "cpu")
+    assert not qwen2.fold_norms_() and not qwen2.norms_folded
+
+
+@pytest.mark.parametrize("fold_norms", [True, False], ids=["folded", "unfolded"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_continuation_equals_transformers(tiny_model_dir, arch, fold_norms):
     path = tiny_model_dir(arch)
     ref_model = hf_model(path)
-    llm = LLM(path, dtype="float32", num_kv_blocks=128, max_model_len=256)
+    llm = LLM(path, dtype="float32", num_kv_blocks=128, max_model_len=256, fold_norms=fold_norms)
+    assert llm.engine.runner.model.norms_folded == (fold_norms and arch != "qwen2")
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
         ids = torch.tensor([llm.tokenizer.encode(prompt)])

@@ -142,3 +142,15 @@ def test_hf_export_round_trips_through_the_loader(tiny_model_dir):
     load_weights(fresh, (("export", k, v) for k, v in exported.items()))
     for (name, a), (_, b) in zip(fresh.state_dict().items(), model.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_hf_export_of_folded_model_divides_the_norms_back_out(tiny_model_dir):
+    from batchgen.models.hf_export import to_hf_state_dict
+
+    model, _ = load_model(tiny_model_dir("llama"))
+    assert model.fold_norms_()
+    exported = to_hf_state_dict(model)
+    original = load_file(os.path.join(tiny_model_dir("llama"), "model.safetensors"))
+    assert exported.keys() == original.keys()
+    for k in original:  # fp32 multiply then divide: within a rounding or two
+        torch.testing.assert_close(exported[k], original[k], atol=0, rtol=3e-7)
