@@ -61,11 +61,12 @@ for stage in $stages; do
           "$OUT/ncu_decode_$b.txt"
       done ;;
     ncu-gemm) for mkn in ${NCU_GEMMS:-"128 4096 28672" "256 4096 28672" "64 1024 6144"}; do
-        ncu --clock-control none --launch-skip 2 --launch-count 1 \
-          --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-          --section LaunchStats python3 examples/benchmarks/ncu_target.py gemm $mkn \
+        ncu --clock-control none -k regex:"gemm|nvjet|xmma|cutlass" --launch-skip 2 \
+          --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+          --section Occupancy --section LaunchStats \
+          python3 examples/benchmarks/ncu_target.py gemm $mkn \
           > "$OUT/ncu_gemm_${mkn// /_}.txt" 2>&1
-        grep -E "gemm M=|  [a-z_0-9]*(gemm|kernel|sm90)[a-zA-Z_0-9]*|Duration|DRAM Throughput|Memory Throughput|Grid Size|Waves Per" \
+        grep -E "gemm M=|^  [a-zA-Z_0-9]+|Duration|DRAM Throughput|Memory Throughput|Grid Size|Waves Per" \
           "$OUT/ncu_gemm_${mkn// /_}.txt" | head -12
       done ;;
     *) echo "unknown stage $stage" ;;

@@ -53,8 +53,9 @@ def attn(b: int, dump: Path | None) -> None:
 
 
 def gemm(m: int, k: int, n: int) -> None:
+    # Unscaled normal values (no extra elementwise kernel to skip); the products stay finite.
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     for _ in range(LAUNCHES):
         F.linear(x, w)
     torch.cuda.synchronize()
