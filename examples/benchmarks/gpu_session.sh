@@ -3,7 +3,7 @@
 # Usage (repo root, on a CUDA box): bash examples/benchmarks/gpu_session.sh [STAGE...]
 # Stages: tests kernels nano-qwen nano-llama nano-qwen3 nano-llama3 shared-prefix summarize score peer-qwen peer-llama
 #         profile-qwen profile-llama profile-qwen-small decode-tune admission-qwen
-#         admission-llama placement gemm ncu-decode ncu-gemm
+#         admission-llama placement gemm ncu-decode ncu-gemm mixed-llama
 # Writes logs and JSON under $OUT (default ./out/gpu). Wheels in .whl/ (e.g. polars) are
 # installed to /tmp/site first when present, for machines without them.
 set -uo pipefail
@@ -69,6 +69,8 @@ for stage in $stages; do
         grep -E "gemm M=|^  [a-zA-Z_0-9]+|Duration|DRAM Throughput|Memory Throughput|Grid Size|Waves Per" \
           "$OUT/ncu_gemm_${mkn// /_}.txt" | head -12
       done ;;
+    mixed-llama) python3 examples/benchmarks/mixed_step_probe.py llama3.1-8b \
+      2>&1 | tee "$OUT/mixed_llama.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
