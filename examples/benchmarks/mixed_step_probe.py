@@ -12,7 +12,9 @@ saving = decode + prefill - mixed is what riding along saves; saving / C is per 
 nano has 142,827 prompt tokens, so saving / C x 142,827 bounds what a schedule that hides
 every prompt this way could take off a run (it needs about 142,827 / C such steps).
 
-Usage (CUDA machine, repo root): python examples/benchmarks/mixed_step_probe.py [PRESET]
+Usage (CUDA machine, repo root): python examples/benchmarks/mixed_step_probe.py [PRESET] [P]
+P > 0 makes each prompt a later chunk of a longer prompt: C tokens after a cached P-token
+prefix (its K/V random), as most chunks of a prompt prefilled in pieces are.
 """
 
 from __future__ import annotations
@@ -131,20 +133,21 @@ def main() -> None:
         ctxs[b] = [rng.randint(100, 1024) + t for _ in range(b)]
     # Chunks get blocks of their own; the decode batches of each B reuse one region (they never
     # run together), sized for the largest.
-    chunk_blocks = sum(-(-min(PROMPT, c) // BS) * max(1, c // PROMPT) for c in CHUNKS)
+    prefix = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    chunk_blocks = sum(-(-(prefix + min(PROMPT, c)) // BS) * max(1, c // PROMPT) for c in CHUNKS)
     decode_blocks = max(sum(-(-c // BS) for c in cs) for cs in ctxs.values())
     cache = Cache(cfg, chunk_blocks + decode_blocks, device)
     chunk_rows = {}
     for c in CHUNKS:
         sizes = [min(PROMPT, c)] * max(1, c // PROMPT)
-        chunk_rows[c] = [(cache.table(n), 0, n) for n in sizes]
+        chunk_rows[c] = [(cache.table(prefix + n), prefix, n) for n in sizes]
     base = cache.next
     decode_rows = {}
     for b, cs in ctxs.items():
         cache.next = base
         decode_rows[b] = [(cache.table(c), c - 1, 1) for c in sorted(cs, reverse=True)]
     print(f"{preset}: ms of one step (forward + lm_head): GPU from graph replays, host of an "
-          f"eager launch; medians of {REPS}")  # fmt: skip
+          f"eager launch; medians of {REPS}; chunks after a {prefix}-token prefix")  # fmt: skip
     print(f"{'B':>4} {'C':>5} {'decode':>7} {'(host)':>7} {'prefill':>8} {'mixed':>7} "
           f"{'(host)':>7} {'saving':>7} {'us/tok':>7}")  # fmt: skip
     prefill = {c: time_step(model, chunk_rows[c], cache, cfg.vocab_size)[0] for c in CHUNKS}
