@@ -68,7 +68,7 @@ class LlamaAttention(nn.Module):
                 qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
                 k_cache, v_cache, ctx.slot_mapping, *norms,
                 self.q_norm.eps if self.qk_norm else 1e-6,
-                rms_rows=hidden if folded else None, rms_eps=rms_eps or 1e-6,
+                rms_rows=hidden if folded else None, rms_eps=rms_eps if folded else 1e-6,
             )  # fmt: skip
             out = self.attn.attend(q, ctx)  # [T, Hq, D]
         out = out.reshape(num_tokens, self.q_size)
