@@ -7,7 +7,9 @@ programs) over a small grid of tiles, against F.linear on the same weights. Each
 cycles through copies of the weight (>= 256 MB) so the weight comes from HBM, as between the
 layers of a real step (`gemm_shapes.time_linear`).
 
-Usage (CUDA machine, repo root): python examples/benchmarks/triton_gemm_probe.py
+Usage (CUDA machine, repo root): python examples/benchmarks/triton_gemm_probe.py [tma]
+`tma` times instead a variant whose weight tiles come through tensor descriptors (the bulk
+tensor copy engine), pipelined 4 or 6 deep, on gate_up and down.
 Prints, per projection and M: cuBLAS us and weight TB/s, the best Triton tiles, their us and
 TB/s, and the largest relative error of that kernel against F.linear.
 """
@@ -15,6 +17,7 @@ TB/s, and the largest relative error of that kernel against F.linear.
 from __future__ import annotations
 
 import itertools
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +58,32 @@ def _gemm_kernel(
 
 
 @triton.jit
+def _gemm_tma_kernel(
+    x_ptr, w_desc, out_ptr, M, N, K, stride_x, stride_out, stride_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    # As _gemm_kernel, but each weight tile comes through a tensor descriptor (the Hopper bulk
+    # tensor copy engine), software-pipelined NUM_STAGES deep.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    k_len = K // SPLIT_K
+    k0 = pid_k * k_len
+    n0 = pid_n * BLOCK_N
+    row_ok = rows[:, None] < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in tl.range(0, k_len, BLOCK_K, num_stages=NUM_STAGES):
+        x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + kk + ks)[None, :], mask=row_ok)
+        w = w_desc.load([n0, k0 + kk])  # [BLOCK_N, BLOCK_K]
+        acc = tl.dot(x, tl.trans(w), acc)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    out = out_ptr + pid_k * stride_split + rows[:, None] * stride_out + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
 def _split_sum_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
@@ -80,6 +109,25 @@ def gemm(x, w, block_n, block_k, split, warps, stages):
     return out
 
 
+def gemm_tma(x, w, block_n, block_k, split, warps, stages):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = x.shape
+    n = w.shape[0]
+    block_m = max(16, triton.next_power_of_2(m))
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    part = out if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    desc = TensorDescriptor.from_tensor(w, [block_n, block_k])
+    _gemm_tma_kernel[(n // block_n, split)](
+        x, desc, part, m, n, k, x.stride(0), n, m * n,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, NUM_STAGES=stages,
+        num_warps=warps,
+    )  # fmt: skip
+    if split > 1:
+        _split_sum_kernel[(triton.cdiv(m * n, 1024),)](part, out, m * n, SPLIT_K=split, BLOCK=1024)
+    return out
+
+
 def time_us(fn, ws) -> float:
     def run():
         for w in ws:
@@ -88,9 +136,16 @@ def time_us(fn, ws) -> float:
     return do_bench_cudagraph(run, rep=50) * 1e3 / len(ws)
 
 
-def configs(m: int, n: int, k: int):
+def configs(m: int, n: int, k: int, tma: bool = False):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for block_n, block_k, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (3, 4)):
+    block_m = max(16, triton.next_power_of_2(m))
+    if tma:
+        grid = itertools.product((64, 128, 256), (64, 128), (4,), (4, 6))
+    else:
+        grid = itertools.product((64, 128), (64, 128), (4, 8), (3, 4))
+    for block_n, block_k, warps, stages in grid:
+        if tma and stages * (block_n + block_m) * block_k * 2 > 200 * 1024:
+            continue  # the pipeline's buffers would not fit an SM's shared memory
         tiles = n // block_n
         for split in (1, 2, 4, 8):
             # Split K only where the N tiles alone leave SMs idle, up to about two waves.
@@ -101,10 +156,13 @@ def configs(m: int, n: int, k: int):
 
 
 def main() -> None:
+    tma = sys.argv[1:] == ["tma"]
+    kernel = gemm_tma if tma else gemm
+    shapes = {k: SHAPES[k] for k in ("gate_up", "down")} if tma else SHAPES
     torch.manual_seed(0)
     print(f"{'proj':<8} {'M':>4} {'cuBLAS us':>9} {'TB/s':>5}  {'Triton us':>9} {'TB/s':>5} "
           f"{'rel err':>8}  tiles (block_n, block_k, split, warps, stages)")  # fmt: skip
-    for name, (k, n) in SHAPES.items():
+    for name, (k, n) in shapes.items():
         copies = max(1, -(-(256 << 20) // (n * k * 2)))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         nbytes = n * k * 2
@@ -113,10 +171,10 @@ def main() -> None:
             ref = F.linear(x, ws[0]).float()
             base = time_us(lambda w, x=x: F.linear(x, w), ws)
             best = None
-            for cfg in configs(m, n, k):
+            for cfg in configs(m, n, k, tma):
                 try:
-                    out = gemm(x, ws[0], *cfg).float()
-                    us = time_us(lambda w, x=x, cfg=cfg: gemm(x, w, *cfg), ws)
+                    out = kernel(x, ws[0], *cfg).float()
+                    us = time_us(lambda w, x=x, cfg=cfg: kernel(x, w, *cfg), ws)
                 except Exception as e:  # e.g. a tile needing more shared memory than an SM has
                     print(f"  skip {cfg}: {type(e).__name__}", flush=True)
                     continue
