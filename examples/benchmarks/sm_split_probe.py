@@ -28,23 +28,34 @@ PRESET = "llama3.1-8b"
 SPLITS = (48, 64, 80)  # SMs given to the decode stream (the prefill stream gets the rest)
 
 
-def capture(model, rows, cache, vocab):
-    """A CUDA graph of forward + lm_head over `rows` (see mixed_step_probe.context), with its own
-    memory pool; returns (graph, the tensors its replay reads, to keep alive)."""
+def step_fn(model, rows, cache, vocab):
+    """forward + lm_head over `rows` (see mixed_step_probe.context) as a no-argument function,
+    and the tensors it reads."""
     device = cache.layers[0][0].device
     ctx, positions = context(rows, device, cache.layers)
     ids = torch.randint(0, vocab, (positions.numel(),), device=device)
     last = torch.tensor([c - 1 for c in ctx.cu_seqlens_q.tolist()[1:]], device=device)
-    with torch.inference_mode():
-        model.compute_logits(model(ids, positions, ctx)[last])  # compile outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        # A capture stream of its own: cuBLAS keeps a workspace per stream, and two graphs
-        # captured on one stream share it; replayed at the same time, their split-K kernels
-        # then wait on each other's flags forever (a first run of this probe hung there).
-        with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
-            model.compute_logits(model(ids, positions, ctx)[last])
-    return graph, (ctx, positions, ids, last)
+
+    @torch.inference_mode()
+    def step():
+        return model.compute_logits(model(ids, positions, ctx)[last])
+
+    return step, (ctx, positions, ids, last)
+
+
+def capture(model, rows, cache, vocab, stream=None):
+    """A CUDA graph of forward + lm_head over `rows`, with its own memory pool, captured on
+    `stream` (a new one by default); returns (graph, the tensors its replay reads)."""
+    step, keep = step_fn(model, rows, cache, vocab)
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    # A capture stream of its own: cuBLAS keeps a workspace per stream, and two graphs captured
+    # on one stream share it; replayed at the same time, their split-K kernels then wait on
+    # each other's flags forever (a first run of this probe hung there).
+    with torch.cuda.graph(graph, stream=stream or torch.cuda.Stream()):
+        step()
+    return graph, keep
 
 
 def timed(fn, *streams) -> float:
@@ -85,6 +96,7 @@ def green_stream(num_sms: int):
         ctx = GreenContext.create(num_sms, 0)
     if hasattr(ctx, "Stream"):
         return ctx, ctx.Stream()
+    print("    (green context without Stream(): stream made while it is current)")
     ctx.set_context()
     stream = torch.cuda.Stream()
     ctx.pop_context()
@@ -129,6 +141,7 @@ def main() -> None:
         except Exception as e:  # no green-context support in this build or driver
             print(f"  green contexts unavailable: {type(e).__name__}: {e}")
             break
+        confined(model, decode_rows, prefill_rows, cache, cfg.vocab_size, n, sms, sd, sp)
         d_alone = min(timed(lambda sd=sd: _replay_on(decode, sd, 10), sd) for _ in range(2)) / 10
         p_alone = min(timed(lambda sp=sp: _replay_on(prefill, sp, 3), sp) for _ in range(2)) / 3
         both = rounds(decode, prefill, nd, np_, sd, sp)
@@ -137,6 +150,35 @@ def main() -> None:
               f"alone)", flush=True)  # fmt: skip
         del gd, gp
     del keep_d, keep_p
+
+
+def confined(model, decode_rows, prefill_rows, cache, vocab, n, sms, sd, sp) -> None:
+    """Whether the partition holds for eager launches on its stream, and for graphs captured on
+    it: each kind alone on its partition, ms a step, and both kinds together when captured
+    there (77 decode + 11 prefill steps, as the rounds above)."""
+    decode, keep_d = step_fn(model, decode_rows, cache, vocab)
+    prefill, keep_p = step_fn(model, prefill_rows, cache, vocab)
+
+    def eager(fn, stream, k):
+        with torch.cuda.stream(stream):
+            for _ in range(k):
+                fn()
+
+    e_d = min(timed(lambda: eager(decode, sd, 10), sd) for _ in range(2)) / 10
+    e_p = min(timed(lambda: eager(prefill, sp, 3), sp) for _ in range(2)) / 3
+    try:
+        g_d, keep_gd = capture(model, decode_rows, cache, vocab, stream=sd)
+        g_p, keep_gp = capture(model, prefill_rows, cache, vocab, stream=sp)
+    except Exception as e:
+        print(f"    capture on a green stream failed: {type(e).__name__}: {e}")
+        return
+    c_d = min(timed(lambda: _replay_on(g_d, sd, 10), sd) for _ in range(2)) / 10
+    c_p = min(timed(lambda: _replay_on(g_p, sp, 3), sp) for _ in range(2)) / 3
+    both = rounds(g_d, g_p, 77, 11, sd, sp)
+    print(f"    eager on the partitions: decode {e_d * 1e3:6.2f} ms ({n} SMs), prefill "
+          f"{e_p * 1e3:7.2f} ms ({sms - n} SMs); captured on them: decode {c_d * 1e3:6.2f} ms, "
+          f"prefill {c_p * 1e3:7.2f} ms, both {both:.3f} s", flush=True)  # fmt: skip
+    del keep_d, keep_p, keep_gd, keep_gp
 
 
 def _replay_on(graph, stream, n: int) -> None:
