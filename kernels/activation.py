@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .launch import check_dtype, check_launchable, pow2, tl, triton
-from .rms_norm import check_rms_rows, rms_scale_rows_ref
+from .rms_norm import check_rms_rows, rms_scale_rows_ref, row_rms_scale
 
 _BLOCK = 1024
 # With rms_rows each program also reads its hidden row for the scale: wider column blocks
@@ -31,9 +31,7 @@ def _silu_and_mul_kernel(
     gate = tl.load(row + cols, mask=mask, other=0.0)
     up = tl.load(row + I + cols, mask=mask, other=0.0)
     if ROW_RMS:
-        hid = tl.arange(0, BLOCK_HID)
-        h = tl.load(rms_ptr + t * stride_rms + hid, mask=hid < HID, other=0.0).to(tl.float32)
-        scale = tl.rsqrt(tl.sum(h * h, axis=0) / HID + rms_eps)
+        scale = row_rms_scale(rms_ptr, t, stride_rms, rms_eps, HID, BLOCK_HID)
         gate = (gate.to(tl.float32) * scale).to(gate.dtype)
         up = (up.to(tl.float32) * scale).to(up.dtype)
     g = gate.to(tl.float32)

@@ -143,6 +143,15 @@ def fused_add_rms_norm_ref(
 # row's 1 / RMS, so no norm kernel runs between the residual add and the projection.
 
 
+@triton.jit
+def row_rms_scale(rows_ptr, t, stride_row, eps, HID: tl.constexpr, BLOCK_HID: tl.constexpr):
+    # 1 / RMS of row t of a [T, HID] tensor, fp32: rsqrt(mean(x^2) + eps), as RMSNorm's; the
+    # scale the kernels after a folded projection apply (rms_rows).
+    cols = tl.arange(0, BLOCK_HID)
+    x = tl.load(rows_ptr + t * stride_row + cols, mask=cols < HID, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(x * x, axis=0) / HID + eps)
+
+
 def check_rms_rows(op: str, rms_rows: torch.Tensor, y: torch.Tensor) -> None:
     """rms_rows must be [T, H] in y's dtype with contiguous rows, T = y.shape[0]."""
     if not (rms_rows.dim() == 2 and rms_rows.shape[0] == y.shape[0]):

@@ -13,7 +13,7 @@ import torch
 
 from .kv_cache import store_kvcache_ref
 from .launch import check_caches, check_dtype, check_launchable, pow2, tl, triton
-from .rms_norm import check_rms_rows, rms_norm_ref, rms_scale_rows_ref
+from .rms_norm import check_rms_rows, rms_norm_ref, rms_scale_rows_ref, row_rms_scale
 from .rotary import check_positions_and_table, rotary_embedding_ref
 
 
@@ -52,14 +52,6 @@ def _norm_rope_heads(
 
 
 @triton.jit
-def _row_rms_scale(rows_ptr, t, stride_row, eps, HID: tl.constexpr, BLOCK_HID: tl.constexpr):
-    # 1 / RMS of row t of a [T, HID] tensor, fp32: rsqrt(mean(x^2) + eps), as RMSNorm's.
-    cols = tl.arange(0, BLOCK_HID)
-    x = tl.load(rows_ptr + t * stride_row + cols, mask=cols < HID, other=0.0).to(tl.float32)
-    return tl.rsqrt(tl.sum(x * x, axis=0) / HID + eps)
-
-
-@triton.jit
 def _rope_store_kv_kernel(
     qkv_ptr, pos_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
     rms_ptr, stride_t, stride_cos_sin, stride_qo, stride_rms, eps, rms_eps,
@@ -75,7 +67,7 @@ def _rope_store_kv_kernel(
     t = tl.program_id(0).to(tl.int64)
     row_scale = 1.0
     if ROW_RMS:
-        row_scale = _row_rms_scale(rms_ptr, t, stride_rms, rms_eps, HID, BLOCK_HID)
+        row_scale = row_rms_scale(rms_ptr, t, stride_rms, rms_eps, HID, BLOCK_HID)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, BLOCK_HALF)
     row = cos_sin_ptr + pos * stride_cos_sin
