@@ -93,39 +93,45 @@ def _split_sum_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def gemm(x, w, block_n, block_k, split, warps, stages):
-    m, k = x.shape
-    n = w.shape[0]
-    block_m = max(16, triton.next_power_of_2(m))
+def _split_product(x, w, split, launch):
+    """x @ w.T [M, N]: launch(part, block_m) writes it whole (split 1) or as split fp32
+    partials [split, M, N], which are then summed into it."""
+    m, n = x.shape[0], w.shape[0]
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     part = out if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    _gemm_kernel[(n // block_n, split)](
-        x, w, part, m, n, k, x.stride(0), w.stride(0), n, m * n,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+    launch(part, max(16, triton.next_power_of_2(m)))
     if split > 1:
         _split_sum_kernel[(triton.cdiv(m * n, 1024),)](part, out, m * n, SPLIT_K=split, BLOCK=1024)
     return out
+
+
+def gemm(x, w, block_n, block_k, split, warps, stages):
+    (m, k), n = x.shape, w.shape[0]
+
+    def launch(part, block_m):
+        _gemm_kernel[(n // block_n, split)](
+            x, w, part, m, n, k, x.stride(0), w.stride(0), n, m * n,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+
+    return _split_product(x, w, split, launch)
 
 
 def gemm_tma(x, w, block_n, block_k, split, warps, stages):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    m, k = x.shape
-    n = w.shape[0]
-    block_m = max(16, triton.next_power_of_2(m))
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    part = out if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    (m, k), n = x.shape, w.shape[0]
     desc = TensorDescriptor.from_tensor(w, [block_n, block_k])
-    _gemm_tma_kernel[(n // block_n, split)](
-        x, desc, part, m, n, k, x.stride(0), n, m * n,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, NUM_STAGES=stages,
-        num_warps=warps,
-    )  # fmt: skip
-    if split > 1:
-        _split_sum_kernel[(triton.cdiv(m * n, 1024),)](part, out, m * n, SPLIT_K=split, BLOCK=1024)
-    return out
+
+    def launch(part, block_m):
+        _gemm_tma_kernel[(n // block_n, split)](
+            x, desc, part, m, n, k, x.stride(0), n, m * n,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+            NUM_STAGES=stages, num_warps=warps,
+        )  # fmt: skip
+
+    return _split_product(x, w, split, launch)
 
 
 def time_us(fn, ws) -> float:
