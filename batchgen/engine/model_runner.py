@@ -55,7 +55,8 @@ class ModelRunner:
     def _init(self, max_model_len: int) -> None:
         self.dtype = next(self.model.parameters()).dtype
         # Before anything runs the model: graphs and the memory profile see the folded form.
-        self.norms_folded = self.config.fold_norms and self.model.fold_norms_()
+        if self.config.fold_norms:
+            self.model.fold_norms_()  # a no-op for models it cannot fold (model.norms_folded)
         self.block_size = self.config.block_size
         self.max_model_len = max_model_len
         self.stager = PinnedStager(self.device)

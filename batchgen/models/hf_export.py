@@ -22,10 +22,11 @@ def to_hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for hf_part, (ours, shard) in model.packed_modules.items():
         inverse.setdefault(ours, [None] * len(model.shard_sizes(ours)))[shard] = hf_part
     state = model.state_dict()
+    folded = getattr(model, "norms_folded", False)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         fused = next((f for f in inverse if f".{f}." in name), None)
-        if fused is not None and getattr(model, "norms_folded", False) and "weight" in name:
+        if fused is not None and folded and "weight" in name:
             layer = name.split(f".{fused}.")[0]  # "model.layers.3.self_attn" or "...3.mlp"
             norm = state[f"{layer.rsplit('.', 1)[0]}.{_FOLDED_NORMS[fused]}.weight"]
             tensor = (tensor.float() / norm.float()).to(tensor.dtype)
