@@ -42,6 +42,12 @@ class EngineConfig:
             o / down add into the residual stream). Same function, rounded differently: off
             keeps Hugging Face's order of roundings. Models with qkv or MLP biases are never
             folded.
+        mixed_chunk_tokens: 0 (off), or P: prompts are admitted longest max_tokens first and
+            prefilled P tokens at a time inside decode steps (at most 4 prompts a step, one CUDA
+            graph per decode bucket), where a large model's decode leaves the tensor cores
+            idle; prompts that could no longer finish within the longest running sequence are
+            prefilled at once. None (auto): 128 for models of 4B parameters or more, else 0
+            (measured: +6% on llama3.1-8b nano, -3% on qwen3-0.6b; see README).
         allow_pickle: permit pickle `.bin` checkpoints (loaded with weights_only=True).
         seed: seeds weight-free randomness (the draw of seeds for requests without one).
     """
@@ -61,6 +67,7 @@ class EngineConfig:
     async_scheduling: bool = True
     admission_interval: int = 32
     fold_norms: bool = True
+    mixed_chunk_tokens: int | None = None
     allow_pickle: bool = False
     seed: int = 0
 
@@ -85,6 +92,12 @@ class EngineConfig:
             raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1")
         if self.admission_interval < 1:
             raise ConfigError(f"admission_interval={self.admission_interval}: must be >= 1")
+        chunk = self.mixed_chunk_tokens
+        if chunk is not None and not 0 <= chunk <= self.max_num_batched_tokens:
+            raise ConfigError(
+                f"mixed_chunk_tokens={chunk}: must be between 0 (off) and "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}, or null (auto)"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 2")
 

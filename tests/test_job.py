@@ -67,6 +67,12 @@ def test_bad_values(tmp_path):
         job_from(tmp_path, BASE, "sampling.temperature=-1")
     with pytest.raises(JobError, match=r"model\.block_size=12: must be a power of two"):
         job_from(tmp_path, BASE, "model.block_size=12")
+    with pytest.raises(
+        JobError, match=r"model\.mixed_chunk_tokens=-1: must be between 0 \(off\) and"
+    ):
+        job_from(tmp_path, BASE, "model.mixed_chunk_tokens=-1")
+    job = job_from(tmp_path, BASE, "model.mixed_chunk_tokens=256")
+    assert job.model.engine_config().mixed_chunk_tokens == 256
     with pytest.raises(JobError, match=r"mode: 'sample' is not supported"):
         job_from(tmp_path, BASE, "mode=sample")
 

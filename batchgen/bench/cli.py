@@ -60,6 +60,12 @@ from batchgen.config import ConfigError, EngineConfig
 @click.option("--max-num-seqs", type=int, default=None)
 @click.option("--max-num-batched-tokens", type=int, default=None)
 @click.option("--admission-interval", type=int, default=None)
+@click.option(
+    "--mixed-chunk-tokens",
+    type=int,
+    default=None,
+    help="Prompt tokens each decode step carries (0: off); see EngineConfig.",
+)
 @click.option("--gpu-memory-utilization", type=float, default=None)
 @click.option("--num-kv-blocks", type=int, default=None)
 @click.option("--block-size", type=int, default=None)
@@ -80,6 +86,7 @@ def bench(**kw) -> None:
         "max_num_seqs",
         "max_num_batched_tokens",
         "admission_interval",
+        "mixed_chunk_tokens",
         "gpu_memory_utilization",
         "num_kv_blocks",
         "block_size",

@@ -122,7 +122,11 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
             "num_kv_blocks": bench.runner.num_kv_blocks,
             "max_model_len": max_len,
         },
-        "engine_config": dataclasses.asdict(bench.config),
+        # As run: mixed_chunk_tokens resolved for this model when the option is None (auto).
+        "engine_config": {
+            **dataclasses.asdict(bench.config),
+            "mixed_chunk_tokens": bench.runner.mixed_chunk_tokens,
+        },
         "ceilings": ceilings,
         "repeat": opts.repeat,
         "runs": runs,

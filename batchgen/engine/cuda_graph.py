@@ -78,6 +78,7 @@ class DecodeGraphs:
                 out = model(*args)  # [bs, H]
             pool = graph.pool()
             self.graphs[bs] = (graph, out)
+        self.pool = pool  # shared with the mixed-step graphs
         torch.cuda.synchronize()
 
     def can_run(self, step: StepInputs) -> bool:

@@ -74,6 +74,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             admission_interval=config.admission_interval,
+            mixed_chunk_tokens=self.runner.mixed_chunk_tokens,
         )
         self.stats = EngineStats()
         self._seq_ids = itertools.count()

@@ -10,6 +10,8 @@ import torch
 from batchgen.config import ConfigError, EngineConfig
 from batchgen.engine.cuda_graph import DecodeGraphs
 from batchgen.engine.host_to_device import PinnedStager
+from batchgen.engine.mixed_graph import MixedGraphs
+from batchgen.engine.prompt_allowance import auto_chunk_tokens
 from batchgen.engine.sampler import Sampler, SamplingBatch
 from batchgen.engine.scheduler_output import ScheduledSequence
 from batchgen.engine.step_handle import StepHandle
@@ -59,6 +61,13 @@ class ModelRunner:
             self.model.fold_norms_()  # a no-op for models it cannot fold (model.norms_folded)
         self.block_size = self.config.block_size
         self.max_model_len = max_model_len
+        # The scheduler's mixed_chunk_tokens, the option resolved for this model.
+        self.mixed_chunk_tokens = self.config.mixed_chunk_tokens
+        if self.mixed_chunk_tokens is None:
+            num_params = sum(p.numel() for p in self.model.parameters())
+            self.mixed_chunk_tokens = auto_chunk_tokens(
+                num_params, self.config.max_num_batched_tokens
+            )
         self.stager = PinnedStager(self.device)
         self.sampler = Sampler(self.stager.to_device)
         self.num_kv_blocks = self._num_kv_blocks()
@@ -83,7 +92,7 @@ class ModelRunner:
         self.kv_caches = [
             (self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(c.num_hidden_layers)
         ]
-        self.graphs = None
+        self.graphs = self.mixed_graphs = None
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.graphs = DecodeGraphs(
                 self.model,
@@ -93,6 +102,17 @@ class ModelRunner:
                 self.block_size,
                 self.stager.to_device,
             )
+            if self.mixed_chunk_tokens:
+                self.mixed_graphs = MixedGraphs(
+                    self.model,
+                    self.kv_caches,
+                    self.graphs.sizes,
+                    self.mixed_chunk_tokens,
+                    max_model_len,
+                    self.block_size,
+                    self.stager.to_device,
+                    self.graphs.pool,
+                )
 
     def block_bytes(self) -> int:
         c = self.model_config
@@ -178,8 +198,12 @@ class ModelRunner:
         patch = None
         if step.pending_rows:
             patch = self._pending_patch(step, previous)
+        sample_rows = step.sample_rows
         if self.graphs is not None and self.graphs.can_run(step):
             hidden = self.graphs.run(step, patch)  # [B, H]
+        elif self.mixed_graphs is not None and self.mixed_graphs.can_run(step):
+            hidden = self.mixed_graphs.run(step, patch)  # [bs + P, H]
+            sample_rows = self.mixed_graphs.graph_rows(step, sample_rows)
         else:
             input_ids = self._tensor(step.input_ids, torch.int64)
             if patch is not None:
@@ -187,8 +211,8 @@ class ModelRunner:
             positions = self._tensor(step.positions, torch.int64)
             hidden = self.model(input_ids, positions, self._context(step))  # [T, H]
         tokens = raw_logprobs = None
-        if step.sample_rows:
-            rows = self._tensor(step.sample_rows, torch.int64)
+        if sample_rows:
+            rows = self._tensor(sample_rows, torch.int64)
             logits = self.model.compute_logits(hidden[rows])  # [N, V], the model's dtype
             tokens, raw_logprobs = self.sampler.sample(logits, sampling)
         sample_ids = [item.seq.seq_id for item in scheduled if item.samples]

@@ -6,6 +6,7 @@ from collections import deque
 from typing import NamedTuple
 
 from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.prompt_allowance import PromptAllowance, admission_order, remaining_steps
 from batchgen.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from batchgen.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
@@ -43,6 +44,11 @@ class Scheduler:
     room for are then admitted together, in one mixed step, instead of one eager (not
     graph-replayed) mixed step per finished sequence.
 
+    With mixed_chunk_tokens = P > 0, prompts ride in decode steps instead (PromptAllowance):
+    waiting sequences are admitted longest remaining max_tokens first, and a step with decode
+    rows gives at most P tokens to at most MIXED_CHUNK_SEQS prompts that are not due; due
+    prompts (admitting them later would lengthen the batch's tail) take the whole budget.
+
     Args:
         block_manager: the KV block pool.
         max_num_seqs: most sequences in one step.
@@ -53,6 +59,7 @@ class Scheduler:
             every step.
         admission_batch: finished sequences that end the wait early (a burst of sequences
             ending together is refilled at once); None takes max_num_seqs // 16, at least 1.
+        mixed_chunk_tokens: 0 (off), or P: the prompt tokens a decode step carries.
     """
 
     def __init__(
@@ -65,8 +72,11 @@ class Scheduler:
         eos_token_ids: frozenset[int],
         admission_interval: int = 1,
         admission_batch: int | None = None,
+        mixed_chunk_tokens: int = 0,
     ) -> None:
         self.block_manager = block_manager
+        self.mixed_chunk_tokens = mixed_chunk_tokens
+        self._waiting_unsorted = False  # mixed chunks: re-sort the queue before admitting
         self.admission_interval = admission_interval
         self.admission_batch = admission_batch or max(1, max_num_seqs // 16)
         # Since admission last stopped for want of room: steps, and running sequences that
@@ -110,6 +120,7 @@ class Scheduler:
             seq.status = SequenceStatus.FINISHED
             return error
         self.waiting.append(seq)
+        self._waiting_unsorted = True
         return None
 
     def check_servable(self, seq: Sequence) -> AddError | None:
@@ -159,13 +170,15 @@ class Scheduler:
         """Pick this step's work: running sequences first, then admissions (see the class)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        self._schedule_running(out, budget)
+        allowance = self._prompt_allowance()
+        self._schedule_running(out, budget, allowance)
         budget -= out.num_batched_tokens
         # After a preemption, blocks are short: admitting now would only thrash.
         if out.preempted:
             self._mark_full(True)
         elif self._admission_due():
-            self._mark_full(self._schedule_waiting(out, budget, self._prefixes_in_prefill()))
+            pending = self._prefixes_in_prefill()
+            self._mark_full(self._schedule_waiting(out, budget, pending, allowance))
         assert out.scheduled or not self.has_unfinished(), (
             "scheduler stalled with nothing running: add() should have rejected "
             f"{self.waiting[0] if self.waiting else None}"
@@ -178,12 +191,35 @@ class Scheduler:
         out.scheduled.sort(key=_batch_order)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:
+    def _prompt_allowance(self) -> PromptAllowance | None:
+        """With mixed chunks on and sequences decoding: what this step may give prompts that
+        are not due. None when prompts take the whole token budget."""
+        if not self.mixed_chunk_tokens:
+            return None
+        horizon = 0
+        decoding = False
+        for seq in self.running:
+            decoding |= seq.num_tokens - seq.num_computed_tokens == 1
+            if not seq.is_score:
+                horizon = max(horizon, remaining_steps(seq))
+        if not decoding:
+            return None  # nothing to ride along with: fill the step
+        return PromptAllowance(self.mixed_chunk_tokens, horizon)
+
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: int, allowance: PromptAllowance | None = None
+    ) -> None:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             assert num_new > 0, f"running {seq} has nothing to compute"
+            if allowance is not None and num_new > 1:  # a prompt chunk
+                num_new = allowance.peek(seq, num_new)
+                if not num_new:
+                    i += 1
+                    continue
+                allowance.take(seq, num_new)
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()  # newest admission; never one already scheduled
                 self._preempt(victim)
@@ -212,10 +248,15 @@ class Scheduler:
         )
 
     def _schedule_waiting(
-        self, out: SchedulerOutput, budget: int, pending: set[tuple[int, ...]]
+        self,
+        out: SchedulerOutput,
+        budget: int,
+        pending: set[tuple[int, ...]],
+        allowance: PromptAllowance | None = None,
     ) -> bool:
-        """Admit waiting sequences FIFO; return whether admission stopped for want of room
-        (max_num_seqs or KV blocks) with sequences still waiting.
+        """Admit waiting sequences FIFO (with mixed chunks: preempted first, then longest
+        remaining max_tokens); return whether admission stopped for want of room (max_num_seqs
+        or KV blocks) with sequences still waiting.
 
         `pending` holds prefixes whose last block is being computed (by running prefills, then
         by this step's admissions too). A waiting sequence whose next uncached block ends one of
@@ -226,12 +267,17 @@ class Scheduler:
         skipped: list[Sequence] = []  # siblings awaiting their parent; sequences deferred
         cap = int(GROWTH_RESERVE_FRACTION * bm.num_blocks)
         reserve = min(sum(self._growth_blocks(seq) for seq in self.running), cap)
+        if self.mixed_chunk_tokens and self._waiting_unsorted:
+            self.waiting = deque(sorted(self.waiting, key=admission_order))
+            self._waiting_unsorted = False
         full = False
         while self.waiting and budget > 0:
             if len(self.running) >= self.max_num_seqs:
                 full = True
                 break
             seq = self.waiting[0]
+            if allowance is not None and allowance.exhausted() and not allowance.is_due(seq):
+                break  # the queue is sorted: no later sequence is due either
             computed = self._reusable_blocks(seq)
             if computed is None:
                 skipped.append(self.waiting.popleft())
@@ -242,9 +288,15 @@ class Scheduler:
                 continue
             num_computed = len(computed) * bm.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
+            if allowance is not None:
+                num_new = allowance.peek(seq, num_new)
+                if not num_new:
+                    break  # exhausted, and seq is not due: neither is any later one
             if not bm.allocate_slots(seq, num_new, computed, reserve=reserve):
                 full = True
                 break  # no head-of-line skipping: wait for blocks to free up
+            if allowance is not None:
+                allowance.take(seq, num_new)
             reserve = min(reserve + self._growth_blocks(seq), cap)
             self.waiting.popleft()
             if next_prefix is not None:
@@ -315,6 +367,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        self._waiting_unsorted = True
 
     # ---- after the model ran -----------------------------------------------------------------
     @staticmethod

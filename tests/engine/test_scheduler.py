@@ -127,6 +127,7 @@ def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model
         eos_token_ids=frozenset({EOS}),
         admission_interval=kw.pop("admission_interval", 1),
         admission_batch=kw.pop("admission_batch", None),
+        mixed_chunk_tokens=kw.pop("mixed_chunk_tokens", 0),
     )
 
 
@@ -433,6 +434,7 @@ def test_randomized_invariants(seed, async_steps):
         max_model_len=max_model_len,
         enable_prefix_caching=rng.random() < 0.7,
         admission_interval=rng.choice([1, 1, 2, 5]),
+        mixed_chunk_tokens=rng.choice([0, 0, 1, 3, 8]),
     )
     shared = [rng.randrange(VOCAB) for _ in range(rng.randint(0, 30))]  # common prefixes
     seqs, seq_id = [], 0
@@ -552,3 +554,47 @@ def test_admission_keeps_blocks_for_running_growth():
         sched.postprocess(out := sched.schedule(), runner.step(out))
     sched.postprocess(out := sched.schedule(), runner.step(out))
     assert b.is_finished and sched.num_preemptions == 0
+
+
+def test_mixed_chunks_ride_in_decode_steps_longest_max_tokens_first():
+    """With mixed_chunk_tokens P, once something decodes, each step gives prompts that are not
+    due at most P tokens of at most MIXED_CHUNK_SEQS prompts; prompts go longest max_tokens
+    first, whatever order they came in."""
+    sched = make_sched(num_blocks=256, budget=64, max_num_seqs=16, mixed_chunk_tokens=5)
+    lead = gen(0, range(1, 9), max_tokens=200, ignore_eos=True)
+    assert sched.add(lead) is None
+    runner = FakeRunner(sched)
+    sched.postprocess(out := sched.schedule(), runner.step(out))  # lead prefilled alone
+    rest = [gen(i, range(10 * i, 10 * i + 8), max_tokens=10 + i, ignore_eos=True) for i in (1, 2)]
+    rest += [gen(i, range(10 * i, 10 * i + 8), max_tokens=30 - i, ignore_eos=True) for i in (3, 4)]
+    for seq in rest:
+        assert sched.add(seq) is None
+    while sched.has_unfinished():
+        sched.postprocess(out := sched.schedule(), runner.step(out))
+        check_invariants(sched, [lead] + rest)
+    assert_expected([lead] + rest)
+    first_step = {}
+    for n, step in enumerate(runner.steps):
+        for seq_id, _, _, _ in step:
+            first_step.setdefault(seq_id, n)
+        decoding = [e for e in step if e[2] == 1]
+        prompts = [e for e in step if e[2] > 1]
+        if decoding and prompts:
+            assert sum(e[2] for e in prompts) <= 5 and len(prompts) <= 4, step
+    assert sorted(first_step, key=first_step.get) == [0, 3, 4, 2, 1]
+    # After the lead's step, 5 prompt tokens a step: the last prompt's first token is the 25th.
+    assert first_step[1] == 1 + 24 // 5
+
+
+def test_mixed_chunks_admit_due_prompts_at_once():
+    """A prompt that could not finish within the longest running sequence if deferred (its
+    max_tokens + DUE_SLACK_STEPS reach that sequence's remaining steps) is prefilled whole."""
+    sched = make_sched(num_blocks=256, budget=64, max_num_seqs=16, mixed_chunk_tokens=2)
+    lead = gen(0, range(1, 5), max_tokens=20, ignore_eos=True)
+    assert sched.add(lead) is None
+    runner = FakeRunner(sched)
+    sched.postprocess(out := sched.schedule(), runner.step(out))  # lead prefilled, decodes next
+    due = gen(1, range(30, 60), max_tokens=10, ignore_eos=True)  # 10 + 16 >= 19 remaining
+    assert sched.add(due) is None
+    out = sched.schedule()
+    assert [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled] == [(0, 1), (1, 30)]

@@ -1,0 +1,164 @@
+"""MixedGraphs: CUDA graphs of decode steps that carry a prompt chunk (mixed_chunk_tokens).
+
+With mixed_chunk_tokens = P the scheduler fills decode steps with up to P prompt tokens of up to
+MIXED_CHUNK_SEQS prompts. Launched eagerly, such a step costs the host a few hundred kernel
+launches, more than the GPU time it saves; so each decode bucket bs gets one graph over bs
+decode rows followed by P chunk rows, with the chunk's prefill attention sized for
+MIXED_CHUNK_SEQS sequences of up to P new tokens each (the kernel's programs past a sequence's
+tokens return at once, so any split of the chunk runs in the same graph).
+
+Padding: decode rows past the step's store nothing (slot -1) and attend to one dummy key, as in
+DecodeGraphs; chunk rows past the step's tokens belong to no sequence (the chunk's cu_seqlens end
+before them), store nothing, and their results are never read. The scheduler gives a chunk all P
+tokens while prompts wait, so the padding is the decode bucket's and the last chunk's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from batchgen.engine.prompt_allowance import MIXED_CHUNK_SEQS
+from batchgen.engine.step_inputs import StepInputs, pad_block_tables
+from batchgen.layers.context import AttentionContext
+
+
+class MixedGraphs:
+    """Captured forwards for d decode rows (bucket bs >= d) + a chunk of <= P prompt tokens.
+
+    Args:
+        model: the causal LM (forward(input_ids, positions, ctx) -> hidden [T, H]).
+        kv_caches: per-layer (k_cache, v_cache) the graphs read and write.
+        decode_sizes: the decode buckets (DecodeGraphs.sizes); each gets a graph.
+        chunk_tokens: P, the chunk rows of every graph.
+        max_model_len: longest context; sizes the block tables and the decode splits.
+        block_size: tokens per KV block.
+        stage: (values, dtype) -> device tensor without a host sync.
+        pool: a CUDA graph memory pool to share (the decode graphs'; steps never overlap).
+    """
+
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        decode_sizes: list[int],
+        chunk_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        stage,
+        pool=None,
+    ):
+        device = kv_caches[0][0].device
+        self.sizes = list(decode_sizes)
+        self.chunk = chunk_tokens
+        self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // (block_size * 16)) * 16
+        n, k = self.sizes[-1], MIXED_CHUNK_SEQS
+        # Static inputs. tokens [3, n + P]: input ids, positions, slots (decode rows, then the
+        # chunk at row bs of each graph). meta [n + 2k + 1] int32: the decode rows' context
+        # lengths [n], the chunk's context lengths [k] and cu_seqlens [k + 1]. tables
+        # [n + k, max_blocks]: the decode rows' block tables, then the chunk's.
+        self.tokens = torch.zeros(3, n + self.chunk, dtype=torch.int64, device=device)
+        self.tokens[2] = -1
+        self.meta = torch.ones(n + 2 * k + 1, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(n + k, self.max_blocks, dtype=torch.int32, device=device)
+        self.stage = stage
+        self.replays: dict = {}  # bucket -> () -> hidden [bs + P, H]
+        self._capture(model, kv_caches, pool)
+
+    def _context(self, bs: int, kv_caches) -> AttentionContext:
+        n, k, p = self.sizes[-1], MIXED_CHUNK_SEQS, self.chunk
+        return AttentionContext(
+            cu_seqlens_q=self.meta[:0],  # unused by a mixed step's attention
+            seq_lens=self.meta[:bs],
+            max_seqlen_q=p,
+            max_seqlen_k=self.max_model_len,
+            slot_mapping=self.tokens[2, : bs + p],
+            block_tables=self.tables[:bs],
+            kv_caches=kv_caches,
+            num_decode_rows=bs,
+            prefill_cu_seqlens_q=self.meta[n + k :],
+            prefill_seq_lens=self.meta[n : n + k],
+            prefill_block_tables=self.tables[n:],
+        )
+
+    @torch.inference_mode()
+    def _capture(self, model, kv_caches, pool) -> None:
+        """One graph per bucket on CUDA. On CPU (tests of the layout) each bucket runs the model
+        eagerly over the same static buffers instead."""
+        cuda = self.tokens.is_cuda
+        n, k, p = self.sizes[-1], MIXED_CHUNK_SEQS, self.chunk
+        # While capturing, the chunk is one whole prompt of P tokens.
+        self.meta[n : n + k] = p
+        self.meta[n + k :] = torch.tensor([0] + [p] * k, dtype=torch.int32)
+        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
+            rows = bs + p
+            ctx = self._context(bs, kv_caches)
+            args = (self.tokens[0, :rows], self.tokens[1, :rows], ctx)
+            if not cuda:
+                self.replays[bs] = lambda args=args: model(*args)
+                continue
+            model(*args)  # warm-up: compiles kernels outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = model(*args)  # [rows, H]
+            pool = graph.pool()
+            self.replays[bs] = lambda graph=graph, out=out: (graph.replay(), out)[1]
+        if cuda:
+            torch.cuda.synchronize()
+
+    def _bucket(self, d: int) -> int:
+        return next(s for s in self.sizes if s >= d)
+
+    def can_run(self, step: StepInputs) -> bool:
+        """Decode rows, then 1..MIXED_CHUNK_SEQS prompt chunks of <= P tokens in all."""
+        d = step.num_decode_rows
+        num_chunks = len(step.seq_lens) - d
+        return (
+            0 < d <= self.sizes[-1]
+            and 0 < num_chunks <= MIXED_CHUNK_SEQS
+            and len(step.input_ids) - d <= self.chunk
+            and not step.score_rows
+            and max(map(len, step.block_tables)) <= self.max_blocks
+        )
+
+    def graph_rows(self, step: StepInputs, flat_rows: list[int]) -> list[int]:
+        """Flat token indices of the step -> rows of the graph's output (the chunk starts at
+        row bs, after the decode rows' padding)."""
+        d = step.num_decode_rows
+        shift = self._bucket(d) - d
+        return [i if i < d else i + shift for i in flat_rows]
+
+    def run(self, step: StepInputs, patch=None) -> torch.Tensor:
+        """Replay the bucket's graph; returns hidden states [bs + P, H] (rows as graph_rows maps
+        them). patch writes the in-flight step's tokens into the input ids (pending tokens are
+        decode rows, which keep their index)."""
+        d = step.num_decode_rows
+        c = len(step.input_ids) - d
+        bs = self._bucket(d)
+        n, k, p = self.sizes[-1], MIXED_CHUNK_SEQS, self.chunk
+        rows = bs + p
+        host = np.zeros((3, rows), dtype=np.int64)
+        host[2] = -1
+        for i, values in enumerate((step.input_ids, step.positions, step.slot_mapping)):
+            host[i, :d] = values[:d]
+            host[i, bs : bs + c] = values[d:]
+        meta = np.ones(n + 2 * k + 1, dtype=np.int32)
+        meta[:d] = step.seq_lens[:d]
+        chunks = len(step.seq_lens) - d
+        meta[n : n + chunks] = step.seq_lens[d:]
+        cu = meta[n + k :]
+        cu[: chunks + 1] = [c0 - d for c0 in step.cu_seqlens_q[d:]]
+        cu[chunks + 1 :] = c  # no tokens for the unused chunk rows
+        self.tokens[:, :rows].copy_(self.stage(host, torch.int64))
+        self.meta.copy_(self.stage(meta, torch.int32))
+        tables = self.stage(pad_block_tables(step.block_tables), torch.int32)  # [d + chunks, w]
+        width = tables.shape[1]
+        self.tables[:d, :width].copy_(tables[:d])
+        self.tables[n : n + chunks, :width].copy_(tables[d:])
+        if bs > d:
+            self.tables[d:bs, :1].zero_()  # padding decode rows: one dummy key in block 0
+        if patch is not None:
+            patch(self.tokens[0, :rows])
+        return self.replays[bs]()
