@@ -6,13 +6,16 @@ Usage (CUDA machine, repo root):
     [SWEEP_WORKLOAD=pipeline:2000] python examples/benchmarks/sweep_engine.py PRESET ROUNDS \
         SETTING [SETTING ...]
 SETTING is `default` or comma-separated key=value engine options, e.g.
-`max_num_batched_tokens=16384,max_num_seqs=128`. Prints each run, then per setting the
+`max_num_batched_tokens=16384,max_num_seqs=128`; a key MODULE.NAME instead sets an int
+constant of batchgen.engine.MODULE for that setting (e.g. `prompt_allowance.DUE_SLACK_STEPS=32`,
+also patched where other engine modules imported it). Prints each run, then per setting the
 median wall time and output tok/s. Quote `batchgen bench` runs, not these, as results.
 """
 
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import statistics
 import sys
@@ -32,6 +35,21 @@ def parse(setting: str) -> dict[str, int]:
     return {key: int(value) for key, value in pairs}
 
 
+def patch_constants(constants: dict[str, int]) -> dict:
+    """Set MODULE.NAME constants of batchgen.engine (and every engine module's imported copy);
+    returns the old values for restore."""
+    old = {}
+    modules = [m for n, m in sys.modules.items() if n.startswith("batchgen.engine.")]
+    for key, value in constants.items():
+        module_name, name = key.rsplit(".", 1)
+        owner = importlib.import_module(f"batchgen.engine.{module_name}")
+        old[key] = getattr(owner, name)
+        for module in modules + [owner]:
+            if getattr(module, name, None) == old[key]:
+                setattr(module, name, value)
+    return old
+
+
 def main() -> None:
     preset, rounds, settings = sys.argv[1], int(sys.argv[2]), sys.argv[3:] or ["default"]
     vocab = preset_config(preset)["vocab_size"]
@@ -39,7 +57,10 @@ def main() -> None:
     w = build_workload(name, vocab, int(count) if count else None)
     walls: dict[str, list[float]] = {s: [] for s in settings}
     for setting in settings:
-        config = EngineConfig(model="-", dtype="bfloat16", device="cuda", **parse(setting))
+        options = parse(setting)
+        constants = {k: options.pop(k) for k in list(options) if "." in k}
+        old = patch_constants(constants)
+        config = EngineConfig(model="-", dtype="bfloat16", device="cuda", **options)
         bench = build_bench(config, preset, None, w.max_request_len())
         for r in range(rounds):
             result = run_engine(bench, w)
@@ -51,6 +72,7 @@ def main() -> None:
                 flush=True,
             )
         del bench
+        patch_constants(old)
         gc.collect()
         torch.cuda.empty_cache()
     print(f"{preset}: median of {rounds}")
