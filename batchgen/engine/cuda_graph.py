@@ -20,6 +20,18 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
+def capture_forward(model, args: tuple, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Warm model(*args) up (Triton compiles outside the capture), then capture it into a CUDA
+    graph on `pool` (None: a new one). Returns the graph and its output tensor, which each
+    replay overwrites."""
+    model(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = model(*args)
+    return graph, out
+
+
 class DecodeGraphs:
     """Captured decode forwards for batches of 1..max_batch sequences.
 
@@ -71,11 +83,7 @@ class DecodeGraphs:
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
             ctx = self._context(bs, kv_caches)
             args = (self.input_ids[:bs], self.positions[:bs], ctx)
-            model(*args)  # warm-up: compiles kernels outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = model(*args)  # [bs, H]
+            graph, out = capture_forward(model, args, pool)  # out: [bs, H]
             pool = graph.pool()
             self.graphs[bs] = (graph, out)
         self.pool = pool  # shared with the mixed-step graphs

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from batchgen.engine.cuda_graph import capture_forward
 from batchgen.engine.prompt_allowance import MIXED_CHUNK_SEQS
 from batchgen.engine.step_inputs import StepInputs, pad_block_tables
 from batchgen.layers.context import AttentionContext
@@ -98,11 +99,7 @@ class MixedGraphs:
             if not cuda:
                 self.replays[bs] = lambda args=args: model(*args)
                 continue
-            model(*args)  # warm-up: compiles kernels outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = model(*args)  # [rows, H]
+            graph, out = capture_forward(model, args, pool)  # out: [rows, H]
             pool = graph.pool()
             self.replays[bs] = lambda graph=graph, out=out: (graph.replay(), out)[1]
         if cuda:
