@@ -20,6 +20,17 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
+def graph_table_width(max_model_len: int, block_size: int) -> int:
+    """Columns of a graph's static block table: the blocks of max_model_len tokens, rounded up
+    to a multiple of 16 like the eager path's tables, so one kernel variant serves both."""
+    return -(-max_model_len // (block_size * 16)) * 16
+
+
+def smallest_bucket(sizes: list[int], n: int) -> int:
+    """The smallest captured size (sizes ascending) that holds n rows."""
+    return next(s for s in sizes if s >= n)
+
+
 def capture_forward(model, args: tuple, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Warm model(*args) up (Triton compiles outside the capture), then capture it into a CUDA
     graph on `pool` (None: a new one). Returns the graph and its output tensor, which each
@@ -50,8 +61,7 @@ class DecodeGraphs:
     ):
         device = kv_caches[0][0].device
         self.sizes = bucket_sizes(max_batch)
-        # A multiple of 16 wide, like the eager path's tables: one kernel variant serves both.
-        self.max_blocks = -(-max_model_len // (block_size * 16)) * 16
+        self.max_blocks = graph_table_width(max_model_len, block_size)
         self.max_model_len = max_model_len
         n = max_batch
         # Static inputs, [n] or [n, max_blocks]; a replay reads whatever they hold.
@@ -103,7 +113,7 @@ class DecodeGraphs:
         writes the tokens that are still on the device) and before the replay.
         """
         b = len(step.seq_lens)
-        bs = next(s for s in self.sizes if s >= b)
+        bs = smallest_bucket(self.sizes, b)
         # Rows: input ids, positions, slots, context lengths; padding rows store nothing
         # (slot -1) and attend to one dummy key.
         host = np.zeros((4, bs), dtype=np.int64)

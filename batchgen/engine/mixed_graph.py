@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from batchgen.engine.cuda_graph import capture_forward
+from batchgen.engine.cuda_graph import capture_forward, graph_table_width, smallest_bucket
 from batchgen.engine.prompt_allowance import MIXED_CHUNK_SEQS
 from batchgen.engine.step_inputs import StepInputs, pad_block_tables
 from batchgen.layers.context import AttentionContext
@@ -53,7 +53,7 @@ class MixedGraphs:
         self.sizes = list(decode_sizes)
         self.chunk = chunk_tokens
         self.max_model_len = max_model_len
-        self.max_blocks = -(-max_model_len // (block_size * 16)) * 16
+        self.max_blocks = graph_table_width(max_model_len, block_size)
         n, k = self.sizes[-1], MIXED_CHUNK_SEQS
         # Static inputs. tokens [3, n + P]: input ids, positions, slots (decode rows, then the
         # chunk at row bs of each graph). meta [n + 2k + 1] int32: the decode rows' context
@@ -105,9 +105,6 @@ class MixedGraphs:
         if cuda:
             torch.cuda.synchronize()
 
-    def _bucket(self, d: int) -> int:
-        return next(s for s in self.sizes if s >= d)
-
     def can_run(self, step: StepInputs) -> bool:
         """Decode rows, then 1..MIXED_CHUNK_SEQS prompt chunks of <= P tokens in all."""
         d = step.num_decode_rows
@@ -124,7 +121,7 @@ class MixedGraphs:
         """Flat token indices of the step -> rows of the graph's output (the chunk starts at
         row bs, after the decode rows' padding)."""
         d = step.num_decode_rows
-        shift = self._bucket(d) - d
+        shift = smallest_bucket(self.sizes, d) - d
         return [i if i < d else i + shift for i in flat_rows]
 
     def run(self, step: StepInputs, patch=None) -> torch.Tensor:
@@ -133,7 +130,7 @@ class MixedGraphs:
         decode rows, which keep their index)."""
         d = step.num_decode_rows
         c = len(step.input_ids) - d
-        bs = self._bucket(d)
+        bs = smallest_bucket(self.sizes, d)
         n, k, p = self.sizes[-1], MIXED_CHUNK_SEQS, self.chunk
         rows = bs + p
         host = np.zeros((3, rows), dtype=np.int64)

@@ -35,7 +35,7 @@ def auto_chunk_tokens(num_params: int, max_num_batched_tokens: int) -> int:
 
 def remaining_steps(seq: Sequence) -> int:
     """Decode steps seq may still take (its max_tokens not yet generated)."""
-    return seq.params.max_tokens - max(seq.num_output_tokens, 0)
+    return seq.params.max_tokens - seq.num_output_tokens
 
 
 def admission_order(seq: Sequence) -> tuple[bool, int]:

@@ -288,10 +288,8 @@ class Scheduler:
                 continue
             num_computed = len(computed) * bm.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
-            if allowance is not None:
+            if allowance is not None:  # never 0: past exhaustion only due sequences get here
                 num_new = allowance.peek(seq, num_new)
-                if not num_new:
-                    break  # exhausted, and seq is not due: neither is any later one
             if not bm.allocate_slots(seq, num_new, computed, reserve=reserve):
                 full = True
                 break  # no head-of-line skipping: wait for blocks to free up
