@@ -2,10 +2,11 @@
 F.linear on the [N, K] weight as stored, and through torch.mm on a [K, N] copy (a different
 cuBLAS layout, so possibly a different kernel choice).
 
-Usage (CUDA machine, repo root): python examples/benchmarks/gemm_shapes.py [waves]
+Usage (CUDA machine, repo root): python examples/benchmarks/gemm_shapes.py [waves | curve]
 `waves` instead times llama3.1-8b's gate_up shape (K=4096) at widths around its 28,672: if
 cuBLAS's output tiles fill the 132 SMs in whole waves only, time steps up with whole waves of
 tiles instead of growing with the width.
+`curve` sums llama3.1-8b's four projections over its 32 layers at M = 32 .. 512 rows.
 Times are CUDA-graph replays (triton.testing.do_bench_cudagraph), as the engine's decode steps
 run; each replay cycles through copies of the weight totalling at least 256 MB, so the weight
 comes from HBM, not the 50 MB L2, as it does between the layers of a real step.
@@ -54,9 +55,26 @@ def waves() -> None:
         print(f"  M={m:<4} " + "  ".join(cells), flush=True)
 
 
+def curve() -> None:
+    """llama3.1-8b's four projections x 32 layers, ms per step by rows M: what a prompt chunk
+    riding in a decode step adds to the step's GEMMs (marginal us a row against the last M)."""
+    shapes = [s for name, s in SHAPES["llama3.1-8b"].items() if name != "lm_head"]
+    print("llama3.1-8b projections x 32 layers, by rows M: ms, weight TB/s, us a row added")
+    last = None
+    for m in (32, 64, 96, 128, 160, 192, 224, 256, 288, 320, 384, 448, 512):
+        ms = 32 * sum(time_linear(m, k, n) for k, n in shapes) / 1e3
+        nbytes = 32 * sum(k * n * 2 for k, n in shapes)
+        add = "" if last is None else f" {(ms - last[1]) * 1e3 / (m - last[0]):6.1f}"
+        print(f"  M={m:<4} {ms:6.2f} ms {nbytes / ms / 1e9:5.2f}{add}", flush=True)
+        last = (m, ms)
+
+
 def main() -> None:
     if sys.argv[1:] == ["waves"]:
         waves()
+        return
+    if sys.argv[1:] == ["curve"]:
+        curve()
         return
     torch.manual_seed(0)
     dt = torch.bfloat16

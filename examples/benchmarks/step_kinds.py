@@ -1,6 +1,6 @@
 """Where a `nano` run's time goes by step kind: decode steps replayed as CUDA graphs, and
-steps launched eagerly (mixed prompt + decode steps, split into the large admission steps and
-the rest).
+steps that carry a prompt chunk replayed as mixed graphs, and steps launched eagerly (split into
+the large admission steps and the rest); then the same by decode rows, in buckets of 32.
 
 Usage (CUDA machine, repo root): python examples/benchmarks/step_kinds.py PRESET [key=value ...]
 key=value are engine options (integers), e.g. max_num_batched_tokens=8192. Per kind: steps,
@@ -40,7 +40,12 @@ def main() -> None:
 
     def timed_launch(self, scheduled, sampling, previous=None):
         step = model_runner.build_step_inputs(scheduled, self.block_size)
-        kind = "decode-graph" if self.graphs is not None and self.graphs.can_run(step) else "eager"
+        if self.graphs is not None and self.graphs.can_run(step):
+            kind = "decode-graph"
+        elif self.mixed_graphs is not None and self.mixed_graphs.can_run(step):
+            kind = "mixed-graph"
+        else:
+            kind = "eager"
         d = step.num_decode_rows
         c = len(step.input_ids) - d
         if kind == "eager" and c > BIG_PREFILL:
@@ -83,6 +88,17 @@ def main() -> None:
     for kind, (n, gpu, host, step_s, d, c) in sorted(agg.items()):
         print(f"  {kind:<18} {n:>6} {gpu:>7.2f} {host:>8.2f} {step_s:>7.2f} {d / n:>11.1f} "
               f"{c / n:>10.1f}")  # fmt: skip
+    # By decode rows (buckets of 32): per kind, steps and mean GPU ms, and the prompt tokens.
+    by_rows = collections.defaultdict(lambda: [0, 0.0, 0])
+    for kind, d, c, start, end, *_ in records:
+        a = by_rows[(kind, min(d, 256) // 32)]
+        a[0] += 1
+        a[1] += start.elapsed_time(end)
+        a[2] += c
+    print(f"  {'kind':<18} {'rows':>9} {'steps':>6} {'GPU ms/step':>11} {'prompt tok':>10}")
+    for (kind, b), (n, ms, c) in sorted(by_rows.items()):
+        rows = f"{32 * b}-{32 * b + 31}"
+        print(f"  {kind:<18} {rows:>9} {n:>6} {ms / n:>11.2f} {c:>10}")
 
 
 if __name__ == "__main__":

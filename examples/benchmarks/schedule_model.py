@@ -1,0 +1,155 @@
+"""The engine's own scheduler on `nano` (llama3.1-8b), priced by measured step costs: a model,
+not a measurement, of how the mixed-chunk rule spends the run.
+
+The real Scheduler runs on the CPU with a fake model (every sampled token is 1, ignore_eos), so
+the schedule is the engine's. Each step is priced from tenth-session H100 measurements:
+- projections of M rows (32 layers): `PROJ_MS` (`gemm_shapes.py curve`, `ridge_gemm_probe.py`),
+  linear between the points; past 384 rows a row costs LARGE_ROW_US (large prefill steps);
+- decode attention: the running sequences' K/V (131,072 bytes a token) at KV_TBS plus a fixed
+  cost a step;
+- a step with a prompt chunk: CHUNK_ATTN_MS for the chunk's prefill attention (the mixed
+  graphs' fixed grid, `profile_run.py`);
+- lm_head, sampling and the row kernels: OTHER_MS plus OTHER_US_PER_ROW;
+- steps the mixed graphs cannot run (more than P prompt tokens: due prompts) are eager:
+  EAGER_MS of host time more.
+
+It reproduces the tenth session's measured run's schedule exactly (steps by kind, riding
+tokens by decode rows) and its time within 2%, but it ranked a chunk that shrinks with the
+decode rows (R:LO:HI below) 2% ahead of P = 128 where the H100 put it 1-5% behind (RESULTS.md,
+tenth session): use it to see schedules, not to rank policies a few percent apart.
+
+Usage: python examples/benchmarks/schedule_model.py [P | R:LO:HI[/F] ...]
+P: mixed_chunk_tokens. R:LO:HI: P = R - decode rows, within [LO, HI] (patched into the
+scheduler). /F: a step with nothing decoding gives prompts F tokens instead of the budget.
+Pure Python; runs anywhere. Prints, per setting, the modelled seconds, the steps by kind, and
+the prompt tokens that rode in mixed steps by decode rows.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+
+from batchgen.bench.workloads import nano
+from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.sequence import Sequence
+from batchgen.sampling_params import SamplingParams
+
+PROJ_MS = [(1, 5.30), (32, 5.33), (64, 5.41), (96, 5.63), (128, 5.74), (160, 6.01),
+           (192, 6.10), (224, 6.82), (256, 6.90), (320, 7.86), (384, 9.20)]  # fmt: skip
+LARGE_ROW_US = 19.0  # a prompt token's projections in large prefill steps (~720 TFLOP/s)
+KV_TBS = 2.78  # decode attention over the run (profile_run.py: 5.6 s for 15.6 TB)
+KV_BYTES = 2 * 32 * 8 * 128 * 2
+ATTN_FIXED_MS = 0.26  # 32 calls of about 8 us
+CHUNK_ATTN_MS = 0.58  # 32 calls of 18 us (profile_run.py)
+PREFILL_ATTN_US = 1.5  # a prompt token's attention in large prefill steps
+OTHER_MS = 0.45  # lm_head + sampling
+OTHER_US_PER_ROW = 2.0  # silu, rope + store, norms, per row
+EAGER_MS = 8.0  # host time an eager step adds (step_kinds.py: launch s of eager steps)
+BLOCKS = 20000
+
+
+def proj_ms(m: int) -> float:
+    if m > PROJ_MS[-1][0]:
+        return PROJ_MS[-1][1] + (m - PROJ_MS[-1][0]) * LARGE_ROW_US / 1e3
+    for (m0, t0), (m1, t1) in zip(PROJ_MS, PROJ_MS[1:]):
+        if m <= m1:
+            return t0 + (t1 - t0) * (max(m, m0) - m0) / (m1 - m0)
+    raise AssertionError
+
+
+def rule(r: int, lo: int, hi: int):
+    """P as a function of the decode rows d: fill the step to r rows, within [lo, hi]."""
+    return lambda d: max(lo, min(hi, (r - d) // 16 * 16))
+
+
+def patch_allowance(sched: Scheduler, chunk_of, first: int = 0) -> None:
+    """Give the scheduler's PromptAllowance chunk_of(decoding sequences) tokens a step; with
+    first > 0, a step with nothing decoding gives prompts first tokens (none due) instead of
+    the whole budget."""
+    from batchgen.engine import scheduler as mod
+
+    def allowance():
+        horizon = 0
+        decoding = 0
+        for seq in sched.running:
+            decoding += seq.num_tokens - seq.num_computed_tokens == 1
+            horizon = max(horizon, mod.remaining_steps(seq))
+        if not decoding:
+            return mod.PromptAllowance(first, 1 << 30) if first else None
+        return mod.PromptAllowance(chunk_of(decoding), horizon)
+
+    sched._prompt_allowance = allowance
+
+
+def simulate(chunk, workload, first: int = 0) -> dict:
+    """chunk: P (int) or a function of the decode rows giving P."""
+    chunk_of = chunk if callable(chunk) else (lambda d: chunk)
+    bm = BlockManager(BLOCKS, 16, True)
+    sched = Scheduler(
+        bm,
+        max_num_seqs=256,
+        max_num_batched_tokens=16384,
+        max_model_len=4096,
+        eos_token_ids=frozenset({0}),
+        admission_interval=32,
+        mixed_chunk_tokens=chunk_of(0),
+    )
+    if callable(chunk) or first:
+        patch_allowance(sched, chunk_of, first)
+    for i, (prompt, m) in enumerate(zip(workload.prompts, workload.max_tokens)):
+        sched.add(Sequence(i, f"r{i}", prompt, SamplingParams(max_tokens=m, ignore_eos=True)))
+    total = 0.0
+    kinds = defaultdict(lambda: [0, 0.0, 0])  # kind -> steps, seconds, prompt tokens
+    ride = defaultdict(int)  # decode rows // 32 -> prompt tokens in mixed steps
+    while sched.has_unfinished():
+        out = sched.schedule()
+        decode = [s for s in out.scheduled if s.num_new_tokens == 1]
+        prompt = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        d = len(decode)
+        kv = sum(s.start + 1 for s in decode)
+        ms = ATTN_FIXED_MS + kv * KV_BYTES / KV_TBS / 1e9 + OTHER_MS
+        chunks = sum(1 for s in out.scheduled if s.num_new_tokens > 1)
+        p = chunk_of(d)
+        if prompt and prompt <= p and chunks <= 4:
+            kind = "mixed-graph"
+            ms += proj_ms(d + p) + CHUNK_ATTN_MS + OTHER_US_PER_ROW * (d + p) / 1e3
+            ride[d // 32] += prompt
+        elif prompt:
+            kind = "eager" if d else "prefill"
+            ms += proj_ms(d + prompt) + OTHER_US_PER_ROW * (d + prompt) / 1e3
+            ms += PREFILL_ATTN_US * prompt / 1e3 + EAGER_MS
+        else:
+            kind = "decode-graph"
+            ms += proj_ms(d) + OTHER_US_PER_ROW * d / 1e3
+        total += ms
+        k = kinds[kind]
+        k[0] += 1
+        k[1] += ms / 1e3
+        k[2] += prompt
+        sampled = {s.seq.seq_id: 1 for s in out.scheduled if s.samples}
+        sched.postprocess(out, sampled)
+    return {"seconds": total / 1e3, "kinds": dict(kinds), "ride": dict(ride)}
+
+
+def main() -> None:
+    # Arguments: P, or R:LO:HI for P = R - decode rows within [LO, HI]; /F after either: a
+    # step with nothing decoding gives prompts F tokens.
+    args = sys.argv[1:] or ["0", "128"]
+    w = nano(256, 128256)
+    for arg in args:
+        arg, _, first = arg.partition("/")
+        chunk = rule(*map(int, arg.split(":"))) if ":" in arg else int(arg)
+        r = simulate(chunk, w, int(first or 0))
+        steps = sum(k[0] for k in r["kinds"].values())
+        print(f"P={arg}: {r['seconds']:.2f} s modelled, {steps} steps, "
+              f"{w.num_output_tokens / r['seconds']:,.0f} tok/s")  # fmt: skip
+        for kind, (n, s, p) in sorted(r["kinds"].items()):
+            print(f"  {kind:<13} {n:>5} steps {s:6.2f} s {p:>7} prompt tokens")
+        cells = [f"{32 * b}-: {t}" for b, t in sorted(r["ride"].items())]
+        print("  riding prompt tokens by decode rows: " + ", ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
