@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.testing import do_bench_cudagraph
+import triton_gemm_probe
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 SHAPES = {"gate_up": (4096, 28672), "down": (14336, 4096), "qkv": (4096, 6144), "o": (4096, 4096)}
@@ -99,11 +99,7 @@ def configs():
 
 
 def time_us(fn, ws) -> float:
-    def run():
-        for w in ws:
-            fn(w)
-
-    return do_bench_cudagraph(run, rep=40) * 1e3 / len(ws)
+    return triton_gemm_probe.time_us(fn, ws, rep=40)
 
 
 def cublas_us(x, ws) -> dict[str, float]:
@@ -123,8 +119,7 @@ def main() -> None:
     torch.manual_seed(0)
     # Descriptors of the weights are made per call; the weights rotate to come from HBM.
     for name, (k, n) in SHAPES.items():
-        copies = max(1, -(-(256 << 20) // (n * k * 2)))
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        ws = triton_gemm_probe.hbm_weights(n, k)
         for m in batches:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x, ws[0]).float()

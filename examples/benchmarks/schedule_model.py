@@ -75,7 +75,8 @@ def patch_allowance(sched: Scheduler, chunk_of, first: int = 0) -> None:
         decoding = 0
         for seq in sched.running:
             decoding += seq.num_tokens - seq.num_computed_tokens == 1
-            horizon = max(horizon, mod.remaining_steps(seq))
+            if not seq.is_score:
+                horizon = max(horizon, mod.remaining_steps(seq))
         if not decoding:
             return mod.PromptAllowance(first, 1 << 30) if first else None
         return mod.PromptAllowance(chunk_of(decoding), horizon)

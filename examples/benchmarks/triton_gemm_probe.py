@@ -134,12 +134,21 @@ def gemm_tma(x, w, block_n, block_k, split, warps, stages):
     return _split_product(x, w, split, launch)
 
 
-def time_us(fn, ws) -> float:
+def hbm_weights(n: int, k: int) -> list[torch.Tensor]:
+    """Copies of an [n, k] bf16 weight totalling >= 256 MB: cycled through, each call's weight
+    comes from HBM, not the 50 MB L2."""
+    copies = max(1, -(-(256 << 20) // (n * k * 2)))
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+
+
+def time_us(fn, ws, rep: int = 50) -> float:
+    """Microseconds of fn(w) per weight, in CUDA-graph replays of one call per copy in ws."""
+
     def run():
         for w in ws:
             fn(w)
 
-    return do_bench_cudagraph(run, rep=50) * 1e3 / len(ws)
+    return do_bench_cudagraph(run, rep=rep) * 1e3 / len(ws)
 
 
 def configs(m: int, n: int, k: int, tma: bool = False):
@@ -169,8 +178,7 @@ def main() -> None:
     print(f"{'proj':<8} {'M':>4} {'cuBLAS us':>9} {'TB/s':>5}  {'Triton us':>9} {'TB/s':>5} "
           f"{'rel err':>8}  tiles (block_n, block_k, split, warps, stages)")  # fmt: skip
     for name, (k, n) in shapes.items():
-        copies = max(1, -(-(256 << 20) // (n * k * 2)))
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        ws = hbm_weights(n, k)
         nbytes = n * k * 2
         for m in BATCHES:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
