@@ -73,6 +73,11 @@ def test_bad_values(tmp_path):
         job_from(tmp_path, BASE, "model.mixed_chunk_tokens=-1")
     job = job_from(tmp_path, BASE, "model.mixed_chunk_tokens=256")
     assert job.model.engine_config().mixed_chunk_tokens == 256
+    assert (
+        job_from(tmp_path, BASE, "model.kn_weights=false").model.engine_config().kn_weights is False
+    )
+    with pytest.raises(JobError, match=r"model\.kn_weights: expected bool"):
+        job_from(tmp_path, BASE, "model.kn_weights=3")
     with pytest.raises(JobError, match=r"mode: 'sample' is not supported"):
         job_from(tmp_path, BASE, "mode=sample")
 

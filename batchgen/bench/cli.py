@@ -57,6 +57,9 @@ from batchgen.config import ConfigError, EngineConfig
 @click.option(
     "--no-fold-norms", is_flag=True, help="Keep RMSNorm kernels (HF's order of roundings)."
 )
+@click.option(
+    "--no-kn-weights", is_flag=True, help="Keep every projection weight N-major (as loaded)."
+)
 @click.option("--max-num-seqs", type=int, default=None)
 @click.option("--max-num-batched-tokens", type=int, default=None)
 @click.option("--admission-interval", type=int, default=None)
@@ -102,6 +105,7 @@ def bench(**kw) -> None:
             enforce_eager=kw["enforce_eager"],
             enable_prefix_caching=not kw["no_prefix_caching"],
             fold_norms=not kw["no_fold_norms"],
+            kn_weights=not kw["no_kn_weights"],
             seed=kw["seed"],
             **options,
         )

@@ -59,6 +59,8 @@ class ModelRunner:
         # Before anything runs the model: graphs and the memory profile see the folded form.
         if self.config.fold_norms:
             self.model.fold_norms_()  # a no-op for models it cannot fold (model.norms_folded)
+        if self.config.kn_weights and self.device.type == "cuda":
+            self.model.kn_weights_()  # cuBLAS's NN kernels read the wide weights faster
         self.block_size = self.config.block_size
         self.max_model_len = max_model_len
         # The scheduler's mixed_chunk_tokens, the option resolved for this model.

@@ -8,7 +8,8 @@ Usage (CUDA machine, repo root):
 SETTING is `default` or comma-separated key=value engine options, e.g.
 `max_num_batched_tokens=16384,max_num_seqs=128`; a key MODULE.NAME instead sets an int
 constant of batchgen.engine.MODULE for that setting (e.g. `prompt_allowance.DUE_SLACK_STEPS=32`,
-also patched where other engine modules imported it). Prints each run, then per setting the
+also patched where other modules imported it; `layers.attention.CHUNK_SIDE_STREAM=0` for a
+module outside the engine). Prints each run, then per setting the
 median wall time and output tok/s. Quote `batchgen bench` runs, not these, as results.
 """
 
@@ -37,12 +38,14 @@ def parse(setting: str) -> dict[str, int]:
 
 def patch_constants(constants: dict[str, int]) -> dict:
     """Set MODULE.NAME constants of batchgen.engine (and every engine module's imported copy);
-    returns the old values for restore."""
+    a dotted MODULE (`layers.attention`) names a module under batchgen instead. Returns the old
+    values for restore."""
     old = {}
-    modules = [m for n, m in sys.modules.items() if n.startswith("batchgen.engine.")]
+    modules = [m for n, m in sys.modules.items() if n.startswith("batchgen.")]
     for key, value in constants.items():
         module_name, name = key.rsplit(".", 1)
-        owner = importlib.import_module(f"batchgen.engine.{module_name}")
+        package = "batchgen" if "." in module_name else "batchgen.engine"
+        owner = importlib.import_module(f"{package}.{module_name}")
         old[key] = getattr(owner, name)
         for module in modules + [owner]:
             if getattr(module, name, None) == old[key]:

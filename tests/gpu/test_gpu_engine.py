@@ -32,6 +32,8 @@ def test_tiny_greedy_gpu_equals_cpu(tiny_model_dir, enforce_eager, fold_norms):
     gpu_llm = LLM(path, device="cuda", enforce_eager=enforce_eager, **common)
     gpu = gpu_llm.generate(batch, params, use_tqdm=False)
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
+    mlp = gpu_llm.engine.runner.model.model.layers[0].mlp
+    assert mlp.gate_up_proj.weight.stride(0) == mlp.down_proj.weight.stride(0) == 1  # kn_weights
     # Seeded sampling draws the same tokens on both devices (same counter-based noise).
     sampled = SamplingParams(max_tokens=16, temperature=0.8, seed=3)
     cpu_s = LLM(path, device="cpu", **common).generate(batch[:4], sampled, use_tqdm=False)
@@ -99,7 +101,8 @@ def test_async_scheduling_equals_sync_on_gpu(tiny_model_dir):
 @pytest.mark.parametrize("fold_norms", [True, False], ids=["folded", "unfolded"])
 def test_llama31_8b_shape_bf16_logits_match_transformers(fold_norms):
     """Our bf16 logits are as close to an fp32 reference as transformers' own bf16 logits,
-    with the norms folded into the projections (as the engine runs it) or not.
+    with the norms folded into the projections and the wide weights K-major (as the engine
+    runs it) or neither.
 
     A random 32-layer model amplifies rounding, so bf16 runs of the same weights legitimately
     differ; the fair bar is transformers' own bf16 error against fp32 transformers.
@@ -124,8 +127,10 @@ def test_llama31_8b_shape_bf16_logits_match_transformers(fold_norms):
                 p.normal_(0.0, 0.02, generator=gen)
     # The reference gets the unfolded weights; the fold's own rounding counts as ours.
     state = {k: v.float() for k, v in to_hf_state_dict(model).items()}
-    if fold_norms:
+    if fold_norms:  # as the engine runs it: folded, and the wide weights K-major
         assert model.fold_norms_()
+        model.kn_weights_()
+        assert model.lm_head.weight.stride() == (1, preset["vocab_size"])
     batch = prompts(3, seed=1)
     ids = torch.tensor([t for p in batch for t in p], device=device)
     pos = torch.cat([torch.arange(len(p), device=device) for p in batch])

@@ -37,10 +37,12 @@ def ragged_logits(model, prompts: list[list[int]]) -> torch.Tensor:
         return model.compute_logits(hidden)  # [T, V]
 
 
-def assert_logits_match(path: str, fold_norms: bool = False) -> None:
+def assert_logits_match(path: str, fold_norms: bool = False, kn_weights: bool = False) -> None:
     model, _ = load_model(path, "float32", "cpu")
     if fold_norms:
         assert model.fold_norms_() == model.can_fold_norms()
+    if kn_weights:
+        model.kn_weights_()
     ref_model = hf_model(path)
     from batchgen.models.tokenizer import Tokenizer
 
@@ -63,6 +65,31 @@ def test_folded_norms_logits_equal_transformers(tiny_model_dir, arch):
     # RMSNorm weights folded into qkv / gate_up, rows scaled after them, residual adds in the
     # o / down GEMMs: the same function (Qwen2's biased qkv is never folded).
     assert_logits_match(tiny_model_dir(arch), fold_norms=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kn_weights_logits_equal_transformers(tiny_model_dir, arch):
+    # gate_up, down and an untied lm_head stored K-major (and norms folded, as the GPU runs).
+    assert_logits_match(tiny_model_dir(arch), fold_norms=True, kn_weights=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_kn_weights_change_the_layout_only(tiny_model_dir, arch):
+    model, _ = load_model(tiny_model_dir(arch), "float32", "cpu")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    embed = model.model.embed_tokens.weight.stride()
+    model.kn_weights_()
+    model.kn_weights_()  # idempotent
+    kn = set()
+    for name, param in model.named_parameters():
+        assert param.shape == before[name].shape and torch.equal(param, before[name]), name
+        if param.dim() == 2 and param.stride() == (1, param.shape[0]):
+            kn.add(name.rsplit(".", 2)[-2])
+    tied = model.config.tie_word_embeddings
+    assert kn == (
+        {"gate_up_proj", "down_proj"} if tied else {"gate_up_proj", "down_proj", "lm_head"}
+    )
+    assert model.model.embed_tokens.weight.stride() == embed  # a tied lm_head is the embedding
 
 
 def test_fold_norms_is_idempotent_and_refused_with_biases(tiny_model_dir):
