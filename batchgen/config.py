@@ -44,8 +44,9 @@ class EngineConfig:
             folded.
         kn_weights: on CUDA, store the gate_up, down and (untied) lm_head weights K-major
             (the memory of W.T, same shape and values), so cuBLAS runs those projections as
-            NN products, whose kernels read the weights faster at decode sizes on the H100
-            (+2% on llama3.1-8b nano). Products round as another kernel's would.
+            NN products, whose kernels read gate_up faster at decode sizes on the H100 (nano:
+            0-1% on llama3.1-8b in three same-call A/Bs). Products round as another kernel's
+            would.
         mixed_chunk_tokens: 0 (off), or P: prompts are admitted longest max_tokens first and
             prefilled P tokens at a time inside decode steps (at most 4 prompts a step, one CUDA
             graph per decode bucket), where a large model's decode leaves the tensor cores

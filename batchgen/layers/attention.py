@@ -12,7 +12,8 @@ from batchgen.layers.context import AttentionContext
 # On CUDA, a mixed step's prompt-chunk attention runs on a side stream beside the decode rows'
 # attention. The chunk's kernel is latency-bound (a few programs walking their keys, about
 # 18 us a layer on llama3.1-8b) and the decode kernel is bandwidth-bound: side by side, the
-# chunk's programs take SM slots the decode kernel's tail leaves idle.
+# chunk's programs take SM slots the decode kernel's tail leaves idle (llama3.1-8b nano:
+# 14.96 s against 15.06 s without it, one sweep). 0 runs both on the current stream.
 CHUNK_SIDE_STREAM = 1
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}

@@ -17,12 +17,12 @@ sessions):
 
 It reproduces the tenth session's measured run's schedule exactly (steps by kind, riding
 tokens by decode rows) and, with the tenth session's table, its time within 2% (the 16-row
-table prices it about 5% high: 15.81 s against 14.9-15.1 s measured), but it ranked a chunk that shrinks with the
-decode rows (R:LO:HI below) 2% ahead of P = 128 where the H100 put it 1-5% behind (RESULTS.md,
-tenth session). With the eleventh session's 16-row curve (the old one had no point at 288,
-where cuBLAS steps up) it ranks those rules behind P = 128, as the GPU did, but it put a
-chunk filling steps past 256 rows to 320 2% ahead where the GPU measured no change: use it to
-see schedules, not to rank policies a few percent apart.
+table prices it about 5% high: 15.81 s against 14.9-15.1 s measured), but it ranked a chunk
+that shrinks with the decode rows (R:LO:HI below) 2% ahead of P = 128 where the H100 put it
+1-5% behind (RESULTS.md, tenth session). With the eleventh session's 16-row curve (the old
+one had no point at 288, where cuBLAS steps up) it ranks those rules behind P = 128, as the
+GPU did, but it put a chunk filling steps past 256 rows to 320 2% ahead where the GPU
+measured no change: use it to see schedules, not to rank policies a few percent apart.
 
 Usage: python examples/benchmarks/schedule_model.py [P | R:LO:HI[/F] ...]
 P: mixed_chunk_tokens. R:LO:HI: P = R - the decode bucket, within [LO, HI] (patched into the
