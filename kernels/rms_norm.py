@@ -123,8 +123,7 @@ def fused_add_rms_norm(
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Torch reference of rms_norm, exactly HF LlamaRMSNorm.forward (any leading dims)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = x.float() * rms_row_scale_ref(x, eps)
     return (weight * h.to(x.dtype)).to(x.dtype)
 
 

@@ -98,27 +98,13 @@ def main() -> None:
         curve(rows, sys.argv[3].split(",") if len(sys.argv) > 3 else ["linear"])
         return
     torch.manual_seed(0)
-    dt = torch.bfloat16
     print(f"{'preset':<12} {'proj':<8} {'M':>4} {'linear us':>10} {'mm(K,N) us':>11} "
           f"{'linear TB/s':>11} {'TFLOP/s':>8}")  # fmt: skip
     for preset, shapes in SHAPES.items():
         for name, (k, n) in shapes.items():
-            copies = max(1, -(-(256 << 20) // (n * k * 2)))
-            ws = [torch.randn(n, k, device="cuda", dtype=dt) * 0.02 for _ in range(copies)]
-            wts = [w.t().contiguous() for w in ws]
             for m in BATCHES:
-                x = torch.randn(m, k, device="cuda", dtype=dt)
-
-                def linear(x=x, ws=ws):
-                    for w in ws:
-                        F.linear(x, w)
-
-                def mm(x=x, wts=wts):
-                    for wt in wts:
-                        torch.mm(x, wt)
-
-                a = do_bench_cudagraph(linear, rep=50) * 1e3 / copies
-                b = do_bench_cudagraph(mm, rep=50) * 1e3 / copies
+                a = time_linear(m, k, n)
+                b = time_linear(m, k, n, "kn")
                 tbs = (n * k * 2 + m * (k + n) * 2) / (a * 1e-6) / 1e12
                 tflops = 2 * m * n * k / (a * 1e-6) / 1e12
                 print(f"{preset:<12} {name:<8} {m:>4} {a:>10.1f} {b:>11.1f} {tbs:>11.2f} "

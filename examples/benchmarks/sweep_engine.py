@@ -7,10 +7,10 @@ Usage (CUDA machine, repo root):
         SETTING [SETTING ...]
 SETTING is `default` or comma-separated key=value engine options, e.g.
 `max_num_batched_tokens=16384,max_num_seqs=128`; a key MODULE.NAME instead sets an int
-constant of batchgen.engine.MODULE for that setting (e.g. `prompt_allowance.DUE_SLACK_STEPS=32`,
-also patched where other modules imported it; `layers.attention.CHUNK_SIDE_STREAM=0` for a
-module outside the engine). Prints each run, then per setting the
-median wall time and output tok/s. Quote `batchgen bench` runs, not these, as results.
+constant of batchgen.engine.MODULE for that setting (e.g. `prompt_allowance.DUE_SLACK_STEPS=32`),
+also where other modules imported it; a dotted MODULE names a module under batchgen
+(`layers.attention.CHUNK_SIDE_STREAM=0`). Prints each run, then per setting the median wall
+time and output tok/s. Quote `batchgen bench` runs, not these, as results.
 """
 
 from __future__ import annotations
