@@ -47,6 +47,9 @@ class EngineConfig:
             NN products, whose kernels read gate_up faster at decode sizes on the H100 (nano:
             0-1% on llama3.1-8b in three same-call A/Bs). Products round as another kernel's
             would.
+        tune_gemms: on CUDA, before the CUDA graphs are captured, time cuBLAS's pick against
+            cuBLASLt's candidate algorithms for each decoder projection at each row count the
+            graphs run, and use the fastest (batchgen.layers.linear). Costs seconds at start.
         mixed_chunk_tokens: 0 (off), or P: prompts are admitted longest max_tokens first and
             prefilled P tokens at a time inside decode steps (at most 4 prompts a step, one CUDA
             graph per decode bucket), where a large model's decode leaves the tensor cores
@@ -73,6 +76,7 @@ class EngineConfig:
     admission_interval: int = 32
     fold_norms: bool = True
     kn_weights: bool = True
+    tune_gemms: bool = True
     mixed_chunk_tokens: int | None = None
     allow_pickle: bool = False
     seed: int = 0

@@ -60,6 +60,11 @@ from batchgen.config import ConfigError, EngineConfig
 @click.option(
     "--no-kn-weights", is_flag=True, help="Keep every projection weight N-major (as loaded)."
 )
+@click.option(
+    "--no-tune-gemms",
+    is_flag=True,
+    help="Run every projection with cuBLAS's own pick (no cuBLASLt tuning).",
+)
 @click.option("--max-num-seqs", type=int, default=None)
 @click.option("--max-num-batched-tokens", type=int, default=None)
 @click.option("--admission-interval", type=int, default=None)
@@ -106,6 +111,7 @@ def bench(**kw) -> None:
             enable_prefix_caching=not kw["no_prefix_caching"],
             fold_norms=not kw["no_fold_norms"],
             kn_weights=not kw["no_kn_weights"],
+            tune_gemms=not kw["no_tune_gemms"],
             seed=kw["seed"],
             **options,
         )

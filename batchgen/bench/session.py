@@ -87,6 +87,12 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
     reset_peak_memory(device)
     log(f"building {opts.model_path or opts.preset} on {device} ...")
     bench = build_bench(opts.engine, opts.preset, opts.model_path, max_len)
+    tuning = bench.runner.tune_report
+    if tuning is not None:
+        log(
+            f"GEMM tuning: cuBLASLt runs {tuning.tuned} of {tuning.shapes} projection shapes "
+            f"({tuning.timed} timed now, {tuning.seconds:.1f} s)"
+        )
     model = bench.runner.model
     shape = roofline.model_shape(
         mc, non_embedding_params(model), parameter_bytes(model), bench.runner.dtype.itemsize
@@ -128,6 +134,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
             "mixed_chunk_tokens": bench.runner.mixed_chunk_tokens,
         },
         "ceilings": ceilings,
+        "gemm_tuning": dataclasses.asdict(tuning) if tuning is not None else None,
         "repeat": opts.repeat,
         "runs": runs,
         "result": _result(median_run(runs), w, cost, ceilings, peak),

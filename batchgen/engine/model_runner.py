@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.config import ConfigError, EngineConfig
-from batchgen.engine.cuda_graph import DecodeGraphs
+from batchgen.engine.cuda_graph import DecodeGraphs, bucket_sizes
 from batchgen.engine.host_to_device import PinnedStager
 from batchgen.engine.mixed_graph import MixedGraphs
 from batchgen.engine.prompt_allowance import auto_chunk_tokens
@@ -17,6 +17,7 @@ from batchgen.engine.scheduler_output import ScheduledSequence
 from batchgen.engine.step_handle import StepHandle
 from batchgen.engine.step_inputs import StepInputs, build_step_inputs, pad_block_tables
 from batchgen.kernels import ops
+from batchgen.layers import gemm_tuning, linear
 from batchgen.layers.context import AttentionContext
 from batchgen.models.config import ModelConfig
 from batchgen.models.loader import load_model
@@ -95,7 +96,15 @@ class ModelRunner:
             (self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(c.num_hidden_layers)
         ]
         self.graphs = self.mixed_graphs = None
+        self.tune_report = None
+        linear.clear_tuning()  # shapes an earlier runner in this process tuned
         if self.device.type == "cuda" and not self.config.enforce_eager:
+            if self.config.tune_gemms:
+                sizes = bucket_sizes(self.config.max_num_seqs)
+                chunk = self.mixed_chunk_tokens
+                rows = sizes + ([s + chunk for s in sizes] if chunk else [])
+                groups = self.model.projection_groups()
+                self.tune_report = gemm_tuning.tune_projections(groups, rows)
             self.graphs = DecodeGraphs(
                 self.model,
                 self.kv_caches,

@@ -14,6 +14,7 @@ from torch import nn
 from batchgen.layers.activation import SiluAndMul
 from batchgen.layers.attention import Attention
 from batchgen.layers.context import AttentionContext
+from batchgen.layers.linear import add_linear_, linear
 from batchgen.layers.norm import RMSNorm
 from batchgen.layers.rotary import RotaryEmbedding
 from batchgen.models.config import ModelConfig
@@ -53,7 +54,7 @@ class LlamaAttention(nn.Module):
         path). The o projection is then added into hidden in place, which is returned.
         """
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hk) * D]
+        qkv = linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq + 2 Hk) * D]
         folded = rms_eps is not None
         if ctx.kv_caches is None:
             if folded:
@@ -73,7 +74,7 @@ class LlamaAttention(nn.Module):
             out = self.attn.attend(q, ctx)  # [T, Hq, D]
         out = out.reshape(num_tokens, self.q_size)
         if not folded:
-            return self.o_proj(out)  # [T, hidden]
+            return linear(out, self.o_proj.weight, self.o_proj.bias)  # [T, hidden]
         return _add_projection_(hidden, out, self.o_proj)
 
     def _split_norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor):
@@ -103,9 +104,9 @@ class LlamaMLP(nn.Module):
         """[T, H] -> [T, 2I] -> [T, I] -> [T, H]. rms_eps given (norms folded): hidden is the
         un-normalised residual stream, scaled by 1 / RMS inside SiLU-and-mul, and the down
         projection is added into hidden in place, which is returned."""
-        gate_up = self.gate_up_proj(hidden)
+        gate_up = linear(hidden, self.gate_up_proj.weight, self.gate_up_proj.bias)
         if rms_eps is None:
-            return self.down_proj(self.act_fn(gate_up))
+            return linear(self.act_fn(gate_up), self.down_proj.weight, self.down_proj.bias)
         act = self.act_fn(gate_up, rms_rows=hidden, rms_eps=rms_eps)
         return _add_projection_(hidden, act, self.down_proj)
 
@@ -113,7 +114,7 @@ class LlamaMLP(nn.Module):
 def _add_projection_(residual: torch.Tensor, x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
     """residual += proj(x) in place: the residual add done by the GEMM itself (beta = 1), so no
     add kernel runs between the projection and the next one. Returns residual."""
-    residual.addmm_(x, proj.weight.t())
+    add_linear_(residual, x, proj.weight)
     if proj.bias is not None:
         residual.add_(proj.bias)
     return residual
@@ -269,6 +270,20 @@ class LlamaForCausalLM(nn.Module):
             weight = module.weight
             if weight.dim() == 2 and weight.stride(0) != 1:  # not K-major yet
                 weight.data = weight.data.t().contiguous().t()  # [N, K] with strides (1, N)
+
+    def projection_groups(self) -> list[tuple[list[torch.Tensor], bool]]:
+        """The decoder's projections for layers.linear.tune_projections: per projection, its
+        weight in every layer and whether the model adds it into the residual stream (o and
+        down with folded norms). Projections with a bias are left out (torch runs them)."""
+        groups = []
+        for attr, path in (("qkv_proj", "self_attn"), ("o_proj", "self_attn"),
+                           ("gate_up_proj", "mlp"), ("down_proj", "mlp")):  # fmt: skip
+            mods = [getattr(getattr(layer, path), attr) for layer in self.model.layers]
+            if any(m.bias is not None for m in mods):
+                continue
+            accumulate = attr in ("o_proj", "down_proj") and self.norms_folded
+            groups.append(([m.weight for m in mods], accumulate))
+        return groups
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext

@@ -65,6 +65,8 @@ def main() -> None:
         old = patch_constants(constants)
         config = EngineConfig(model="-", dtype="bfloat16", device="cuda", **options)
         bench = build_bench(config, preset, None, w.max_request_len())
+        if bench.runner.tune_report is not None:
+            print(f"{setting}: {bench.runner.tune_report}", flush=True)
         for r in range(rounds):
             result = run_engine(bench, w)
             walls[setting].append(result.wall_s)

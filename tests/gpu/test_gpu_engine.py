@@ -99,10 +99,10 @@ def test_async_scheduling_equals_sync_on_gpu(tiny_model_dir):
 
 
 @pytest.mark.parametrize("fold_norms", [True, False], ids=["folded", "unfolded"])
-def test_llama31_8b_shape_bf16_logits_match_transformers(fold_norms):
+def test_llama31_8b_shape_bf16_logits_match_transformers(fold_norms, monkeypatch, tmp_path):
     """Our bf16 logits are as close to an fp32 reference as transformers' own bf16 logits,
-    with the norms folded into the projections and the wide weights K-major (as the engine
-    runs it) or neither.
+    with the norms folded into the projections, the wide weights K-major and the projections
+    on tuned cuBLASLt algorithms (as the engine runs it) or none of that.
 
     A random 32-layer model amplifies rounding, so bf16 runs of the same weights legitimately
     differ; the fair bar is transformers' own bf16 error against fp32 transformers.
@@ -134,9 +134,21 @@ def test_llama31_8b_shape_bf16_logits_match_transformers(fold_norms):
     batch = prompts(3, seed=1)
     ids = torch.tensor([t for p in batch for t in p], device=device)
     pos = torch.cat([torch.arange(len(p), device=device) for p in batch])
-    with torch.no_grad():
-        hidden = model(ids, pos, AttentionContext.for_prompts([len(p) for p in batch], device))
-        ours = model.compute_logits(hidden).float()
+    if fold_norms:  # every projection of this forward on a cuBLASLt algorithm
+        from batchgen.layers import gemm_tuning, linear
+
+        monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+        monkeypatch.setattr(gemm_tuning, "TUNE_MIN_GAIN", -1.0)
+        report = gemm_tuning.tune_projections(model.projection_groups(), [ids.numel()])
+        assert report.tuned == 4
+    try:
+        with torch.no_grad():
+            ctx = AttentionContext.for_prompts([len(p) for p in batch], device)
+            hidden = model(ids, pos, ctx)
+            ours = model.compute_logits(hidden).float()
+    finally:
+        if fold_norms:
+            linear.clear_tuning()
     del model, hidden
     torch.cuda.empty_cache()
     hf_config = transformers.LlamaConfig(**{k: v for k, v in preset.items() if k != "torch_dtype"})

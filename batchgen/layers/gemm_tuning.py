@@ -1,0 +1,290 @@
+"""Tuning of the decoder projections' GEMMs on CUDA: per projection and row count, cuBLAS's own
+pick against the algorithms cuBLASLt's heuristic offers; winners are registered with
+batchgen.layers.linear and remembered in a cache file.
+
+Why: cuBLAS picks one kernel per shape from a heuristic, and on the H100 that pick is off at
+many of the row counts a decode step runs (llama3.1-8b's down projection at 192 rows: 76.8 us
+against 50.8 for another of cuBLASLt's kernels; `lt_algo_probe.py`, RESULTS.md twelfth session).
+
+How: the runner calls tune_projections before it captures the CUDA graphs, with the graphs' row
+counts. Each timing cycles through every layer's weight of the projection, as a step does, so
+the weights come from HBM, in CUDA-graph replays. A candidate replaces cuBLAS when it is
+TUNE_MIN_GAIN faster. The heuristic lists at most 8 algorithms for a shape; `candidates` adds
+those it lists for neighbouring row counts that cuBLASLt accepts for this one (TUNE_WIDEN), and
+the fastest few are tried again with other thread-block cluster shapes (TUNE_REFINE).
+
+Cache: results (winner or "cuBLAS") go to gemm_tuning.json under BATCHGEN_CACHE_DIR, else
+$XDG_CACHE_HOME/batchgen, else ~/.cache/batchgen, keyed by GPU, cuBLASLt version, search and
+shape; a later run reads them instead of timing again, and re-checks every algorithm it loads
+with cuBLASLt. A cache that cannot be read or written is skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from batchgen.io.atomic import write_bytes
+from batchgen.layers import linear
+
+# A candidate must beat cuBLAS's pick by this fraction to replace it (below it, timing noise).
+TUNE_MIN_GAIN = 0.02
+# Candidates asked of cuBLASLt's heuristic per shape (it returns at most 8).
+TUNE_CANDIDATES = 8
+# 1: also time the candidates the heuristic lists for neighbouring row counts (`candidates`).
+TUNE_WIDEN = 1
+# Then time the TUNE_REFINE fastest again with each of these thread-block cluster shapes
+# (cublasLtClusterShape_t: 1x1, 2x1, 4x1, 1x2, 2x2, 1x4): the heuristic's cluster is often not
+# the fastest (llama3.1-8b down at 192 rows: 44.2 us against 50.9; `lt_algo_probe.py`).
+TUNE_REFINE = 3
+TUNE_CLUSTERS = (2, 3, 4, 5, 6, 8)
+CACHE_NAME = "gemm_tuning.json"
+CACHE_VERSION = 1
+
+_results: dict[str, dict] = {}  # cache key -> {"algo": hex or None, "us": ..., "cublas_us": ...}
+_loaded_from: str | None = None
+
+
+@dataclass
+class TuneReport:
+    """What tune_projections did: shapes considered, shapes timed now (the rest came from the
+    cache), shapes where a cuBLASLt algorithm runs, the summed us of one call of those shapes by
+    cuBLAS and by the algorithm, and the wall seconds spent."""
+
+    shapes: int = 0
+    timed: int = 0
+    tuned: int = 0
+    cublas_us: float = 0.0
+    tuned_us: float = 0.0
+    seconds: float = 0.0
+
+
+def cache_path() -> str:
+    root = os.environ.get("BATCHGEN_CACHE_DIR")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(xdg, "batchgen")
+    return os.path.join(root, CACHE_NAME)
+
+
+def _load_cache(path: str) -> None:
+    global _loaded_from
+    if _loaded_from == path:
+        return
+    _loaded_from = path
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if data.get("version") == CACHE_VERSION and isinstance(data.get("results"), dict):
+            _results.update((k, v) for k, v in data["results"].items() if _valid_record(v))
+    except (OSError, ValueError, AttributeError) as exc:
+        warnings.warn(f"GEMM tuning cache {path} skipped: {exc}", stacklevel=3)
+
+
+def _valid_record(record) -> bool:
+    """A cache record as _time_shape writes it; anything else is timed again."""
+    return (
+        isinstance(record, dict)
+        and (record.get("algo") is None or isinstance(record.get("algo"), str))
+        and all(isinstance(record.get(f), (int, float)) for f in ("us", "cublas_us"))
+    )
+
+
+def _save_cache(path: str) -> None:
+    data = {"version": CACHE_VERSION, "results": _results}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_bytes(path, json.dumps(data, indent=0, sort_keys=True).encode())
+    except OSError as exc:
+        warnings.warn(f"GEMM tuning cache {path} not written: {exc}", stacklevel=3)
+
+
+def _cache_key(m: int, weight: torch.Tensor, accumulate: bool, lt_version: int) -> str:
+    n, k = weight.shape
+    gpu = torch.cuda.get_device_name(weight.device)
+    search = f"c{TUNE_CANDIDATES}w{TUNE_WIDEN}r{TUNE_REFINE}g{TUNE_MIN_GAIN}"
+    layout = "kn" if linear.weight_kn(weight) else "nk"
+    return (
+        f"{gpu}|lt{lt_version}|{search}|{str(weight.dtype).removeprefix('torch.')}|"
+        f"m{m}n{n}k{k}|{layout}|{'acc' if accumulate else 'out'}"
+    )
+
+
+def candidates(product, count: int = TUNE_CANDIDATES, widen: bool = True) -> list:
+    """cuBLASLt's heuristic candidates for the product's shape; with widen, then those it lists
+    for other row counts (a quarter, half, double, four times; 16, 32 and 64 fewer and more
+    rows) that cuBLASLt accepts for this shape, without repeats."""
+    from batchgen.kernels.cublaslt import LtProduct
+
+    own = product.candidates(count)
+    if not widen:
+        return own
+    m, n, k = product.shape
+    seen = {bytes(c.algo) for c in own}
+    out = list(own)
+    for other in sorted({max(1, m // 4), max(1, m // 2), max(1, m - 64), max(1, m - 32),
+                         max(1, m - 16), m + 16, m + 32, m + 64, 2 * m, 4 * m}):  # fmt: skip
+        if other == m:
+            continue
+        lister = LtProduct(other, n, k, product.dtype, product.weight_kn, k, product.device)
+        for cand in lister.candidates(count):
+            if bytes(cand.algo) in seen:
+                continue
+            seen.add(bytes(cand.algo))
+            checked = product.check(cand, len(out))
+            if checked is not None:
+                out.append(checked)
+    return out
+
+
+def _graph_us(call, weights: list[torch.Tensor]) -> float:
+    """us per product of call(w), made once for each w in weights, from CUDA-graph replays."""
+
+    def run():
+        for w in weights:
+            call(w)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times) * 1e3 / len(weights)
+
+
+def _refine(product, timed: list, time_us) -> list:
+    """The TUNE_REFINE fastest of timed ((us, index, candidate)) with each of TUNE_CLUSTERS,
+    where cuBLASLt accepts them for the product's shape, timed with time_us(candidate)."""
+    from batchgen.kernels.cublaslt import CublasLtError
+
+    seen = {bytes(c.algo) for _, _, c in timed}
+    extra = []
+    for _, _, cand in sorted(timed, key=lambda t: t[:2])[:TUNE_REFINE]:
+        for cluster in TUNE_CLUSTERS:
+            var = cand.variant(len(timed) + len(extra), cluster=cluster)
+            if var is None or bytes(var.algo) in seen:
+                continue
+            seen.add(bytes(var.algo))
+            var = product.check(var, var.index)
+            if var is None:
+                continue
+            try:
+                extra.append((time_us(var), var.index, var))
+            except CublasLtError:
+                continue
+    return extra
+
+
+def _time_shape(weights: list[torch.Tensor], accumulate: bool, m: int, product) -> dict:
+    """Time cuBLAS and the candidates at m rows over weights: the cache record."""
+    from batchgen.kernels.cublaslt import CublasLtError
+
+    w0 = weights[0]
+    n, k = w0.shape
+    x = torch.randn(m, k, device=w0.device, dtype=w0.dtype)
+    out = torch.zeros(m, n, device=w0.device, dtype=w0.dtype)
+    if accumulate:
+        base = _graph_us(lambda w: out.addmm_(x, w.t()), weights)
+    else:
+        base = _graph_us(lambda w: F.linear(x, w), weights)
+    record = {"algo": None, "us": base, "cublas_us": base}
+
+    def time_us(cand) -> float:
+        return _graph_us(lambda w: product(x, w, cand, out=out), weights)
+
+    try:
+        timed = [
+            (time_us(cand), cand.index, cand)
+            for cand in candidates(product, TUNE_CANDIDATES, bool(TUNE_WIDEN))
+        ]
+    except CublasLtError:
+        return record
+    timed += _refine(product, timed, time_us)
+    if timed:
+        best_us, _, best = min(timed, key=lambda t: t[:2])
+        if best_us < base * (1 - TUNE_MIN_GAIN):
+            record.update(algo=best.to_hex(), us=best_us)
+    return record
+
+
+@torch.inference_mode()
+def tune_projections(
+    groups: list[tuple[list[torch.Tensor], bool]], rows: list[int], use_cache: bool = True
+) -> TuneReport:
+    """Register, for each projection group at each row count, the cuBLASLt algorithm that beats
+    cuBLAS there (CUDA, bf16/fp16 weights, row-major or K-major; others are left to torch).
+
+    groups: (the weights of one projection in every layer, all one shape and layout;
+    accumulate) -- accumulate for the projections the model adds into its residual stream
+    (linear.add_linear_). rows: the row counts to tune (the CUDA graphs' sizes). use_cache:
+    read and write the cache file (cache_path()).
+    """
+    from batchgen.kernels.cublaslt import Candidate, CublasLtError, LtProduct, version
+
+    report = TuneReport()
+    t0 = time.perf_counter()
+    path = cache_path()
+    if use_cache:
+        _load_cache(path)
+    lt_version = None
+    for weights, accumulate in groups:
+        w0 = weights[0]
+        kn = linear.weight_kn(w0)
+        if not w0.is_cuda or w0.dtype not in (torch.bfloat16, torch.float16) or kn is None:
+            continue
+        lt_version = lt_version or version()
+        n, k = w0.shape
+        for m in sorted(set(rows)):
+            report.shapes += 1
+            try:
+                product = LtProduct(m, n, k, w0.dtype, kn, k, w0.device.index, accumulate)
+            except CublasLtError:
+                continue
+            key = _cache_key(m, w0, accumulate, lt_version)
+            record = _results.get(key) if use_cache else None
+            algo = None
+            if record is not None and record.get("algo"):
+                try:
+                    algo = product.check(Candidate.from_hex(record["algo"]), 0)
+                except ValueError:
+                    algo = None
+                record = record if algo is not None else None  # stale: time it again
+            if record is None:
+                record = _time_shape(weights, accumulate, m, product)
+                report.timed += 1
+                _results[key] = record
+                if record["algo"]:
+                    algo = product.check(Candidate.from_hex(record["algo"]), 0)
+            if algo is not None:
+                linear.register(m, w0, accumulate, product, algo)
+                report.tuned += 1
+                report.cublas_us += record["cublas_us"]
+                report.tuned_us += record["us"]
+    if report.shapes:
+        torch.cuda.synchronize()
+    if use_cache and report.timed:
+        _save_cache(path)
+    report.seconds = time.perf_counter() - t0
+    return report

@@ -1,0 +1,66 @@
+"""The models' projections: y = x @ W^T (`linear`) and residual += x @ W^T (`add_linear_`), through
+a cuBLASLt algorithm registered for the exact shape (batchgen.layers.gemm_tuning registers the
+ones that beat cuBLAS), else through torch (F.linear / addmm: cuBLAS's own pick; always on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# (rows, N, K, weight K-major, accumulate, x row stride, dtype, device index) -> (product, algo)
+_TUNED: dict[tuple, tuple] = {}
+
+
+def weight_kn(weight: torch.Tensor) -> bool | None:
+    """True if weight [N, K] is stored K-major, False if row-major, None if neither."""
+    n, k = weight.shape
+    if weight.stride() == (k, 1):
+        return False
+    if weight.stride() == (1, n):
+        return True
+    return None
+
+
+def _key(x: torch.Tensor, weight: torch.Tensor, accumulate: bool) -> tuple:
+    n, k = weight.shape
+    return (x.shape[0], n, k, weight_kn(weight), accumulate, x.stride(0), x.dtype, x.device.index)
+
+
+def register(rows: int, weight: torch.Tensor, accumulate: bool, product, algo) -> None:
+    """Run products of `rows` contiguous rows with weight's shape, layout, dtype and device
+    (and accumulate) through product (a kernels.cublaslt.LtProduct) with algo."""
+    n, k = weight.shape
+    key = (rows, n, k, weight_kn(weight), accumulate, k, weight.dtype, weight.device.index)
+    _TUNED[key] = (product, algo)
+
+
+def clear_tuning() -> None:
+    """Forget every registered shape (torch runs all projections again)."""
+    _TUNED.clear()
+
+
+def _tuned(x: torch.Tensor, weight: torch.Tensor, accumulate: bool):
+    if not _TUNED or not x.is_cuda or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    return _TUNED.get(_key(x, weight, accumulate))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N]."""
+    entry = _tuned(x, weight, False) if bias is None else None
+    if entry is None:
+        return F.linear(x, weight, bias)
+    product, algo = entry
+    return product(x, weight, algo)
+
+
+def add_linear_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """residual [M, N] += x [M, K] @ weight [N, K]^T in place (the GEMM's beta = 1); returns
+    residual."""
+    ok = residual.is_contiguous() and residual.dtype == x.dtype
+    entry = _tuned(x, weight, True) if ok else None
+    if entry is None:
+        return residual.addmm_(x, weight.t())
+    product, algo = entry
+    return product(x, weight, algo, out=residual)

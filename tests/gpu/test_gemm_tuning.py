@@ -1,0 +1,68 @@
+"""On a CUDA device: every cuBLASLt candidate computes the projection torch computes, and tuned
+projections equal torch's within bf16 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from batchgen.kernels.cublaslt import LtProduct
+
+from batchgen.layers import gemm_tuning, linear
+
+pytestmark = pytest.mark.gpu
+
+
+def close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    # bf16 output: one rounding of a value of this size, plus K-split summation order.
+    scale = ref.float().abs().max().item()
+    assert (got.float() - ref.float()).abs().max().item() <= 1e-2 * scale
+
+
+@pytest.mark.parametrize("m", [1, 16, 100, 256])
+@pytest.mark.parametrize("kn", [False, True], ids=["nk", "kn"])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["out", "acc"])
+def test_every_candidate_equals_torch(m, kn, accumulate):
+    torch.manual_seed(m)
+    n, k = 384, 1024
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    if kn:
+        w = w.t().contiguous().t()
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    ref = residual.clone().addmm_(x, w.t()) if accumulate else F.linear(x, w)
+    product = LtProduct(m, n, k, torch.bfloat16, kn, k, torch.cuda.current_device(), accumulate)
+    cands = gemm_tuning.candidates(product)
+    assert len(cands) >= 1
+    for cand in cands:
+        out = residual.clone() if accumulate else None
+        close(product(x, w, cand, out=out), ref)
+
+
+def test_tuned_projections_equal_torch(monkeypatch, tmp_path):
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gemm_tuning, "TUNE_MIN_GAIN", -1.0)  # register a winner everywhere
+    monkeypatch.setattr(gemm_tuning, "_results", {})
+    monkeypatch.setattr(gemm_tuning, "_loaded_from", None)
+    torch.manual_seed(0)
+    weights = [torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    kn_weights = [torch.randn(256, 512, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    kn_weights = [w.t().contiguous().t() for w in kn_weights]
+    try:
+        report = gemm_tuning.tune_projections([(weights, False), (kn_weights, True)], [8, 64])
+        assert report.shapes == report.timed == report.tuned == 4
+        assert (tmp_path / gemm_tuning.CACHE_NAME).exists()
+        for m in (8, 64):
+            x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
+            close(linear.linear(x, weights[1]), F.linear(x, weights[1]))
+            h = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+            res = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
+            ref = res.clone().addmm_(h, kn_weights[2].t())
+            assert linear.add_linear_(res, h, kn_weights[2]) is res
+            close(res, ref)
+        # A second tuning reads the cache: nothing is timed again.
+        linear.clear_tuning()
+        again = gemm_tuning.tune_projections([(weights, False), (kn_weights, True)], [8, 64])
+        assert again.timed == 0 and again.tuned == 4
+    finally:
+        linear.clear_tuning()
