@@ -16,14 +16,13 @@ then the four projections x 32 layers in ms by rows, cuBLAS against the fastest 
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 from batchgen.kernels.cublaslt import CublasLtError, LtProduct
 
-from batchgen.layers.gemm_tuning import candidates
+from batchgen.layers.gemm_tuning import _graph_us, candidates
 
 # name, N, K, weight K-major (the engine's layouts with kn_weights on)
 PROJECTIONS = [("qkv", 6144, 4096, False), ("o", 4096, 4096, False),
@@ -36,30 +35,6 @@ WIDEN = True
 REFINE = int(os.environ.get("REFINE", "0"))
 CLUSTERS = [2, 3, 4, 5, 6, 8]
 SPLITS = [1, 2, 3, 4]
-
-
-def graph_us(fn, calls: int, iters: int = 8) -> float:
-    """us per call of fn (which makes `calls` products), from CUDA-graph replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) * 1e3 / (iters * calls)
 
 
 def weights(n: int, k: int, kn: bool) -> list[torch.Tensor]:
@@ -87,7 +62,7 @@ def refine(product, x, ws, out, timed) -> list:
                     continue
                 index += 1
                 try:
-                    us = graph_us(lambda c=var: [product(x, w, c, out) for w in ws], len(ws))
+                    us = _graph_us(lambda w, c=var: product(x, w, c, out), ws)
                 except (CublasLtError, RuntimeError):
                     continue
                 extra.append((us, var))
@@ -98,12 +73,12 @@ def probe(name: str, n: int, k: int, kn: bool, m: int, count: int) -> tuple[floa
     ws = weights(n, k, kn)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    cublas = graph_us(lambda: [F.linear(x, w) for w in ws], len(ws))
+    cublas = _graph_us(lambda w: F.linear(x, w), ws)
     product = LtProduct(m, n, k, torch.bfloat16, kn, k, torch.cuda.current_device())
     timed = []
     for cand in candidates(product, count, widen=WIDEN):
         try:
-            us = graph_us(lambda c=cand: [product(x, w, c, out) for w in ws], len(ws))
+            us = _graph_us(lambda w, c=cand: product(x, w, c, out), ws)
         except (CublasLtError, RuntimeError) as exc:  # a candidate that will not launch
             print(f"  {name} M={m} candidate {cand.index}: {exc}")
             continue
