@@ -31,7 +31,7 @@ _DTYPES = {torch.bfloat16: 14, torch.float16: 2}  # CUDA_R_16BF, CUDA_R_16F
 _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _PREF_MAX_WORKSPACE_BYTES = 1
-# cublasLtMatmulAlgoConfigAttributes_t: what a candidate is, for reports.
+# cublasLtMatmulAlgoConfigAttributes_t: read for reports (config), set for variants.
 _CONFIG_ATTRS = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "stages": 6,
                  "cluster": 8}  # fmt: skip
 WORKSPACE_BYTES = 32 << 20
@@ -77,32 +77,22 @@ def _find_library() -> str:
 @functools.cache
 def _lib() -> ctypes.CDLL:
     lib = ctypes.CDLL(_find_library())
-    p, i64, u64, sz = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_size_t
+    p, i32, i64, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint64
+    sz = ctypes.c_size_t
     ptr = ctypes.POINTER
     sigs = {
         "cublasLtCreate": [ptr(p)],
-        "cublasLtMatmulDescCreate": [ptr(p), ctypes.c_int, ctypes.c_int],
-        "cublasLtMatmulDescSetAttribute": [p, ctypes.c_int, p, sz],
-        "cublasLtMatrixLayoutCreate": [ptr(p), ctypes.c_int, u64, u64, i64],
+        "cublasLtMatmulDescCreate": [ptr(p), i32, i32],
+        "cublasLtMatmulDescSetAttribute": [p, i32, p, sz],
+        "cublasLtMatrixLayoutCreate": [ptr(p), i32, u64, u64, i64],
         "cublasLtMatmulPreferenceCreate": [ptr(p)],
-        "cublasLtMatmulPreferenceSetAttribute": [p, ctypes.c_int, p, sz],
-        "cublasLtMatmulAlgoGetHeuristic": [
-            p,
-            p,
-            p,
-            p,
-            p,
-            p,
-            p,
-            ctypes.c_int,
-            ptr(_Heuristic),
-            ptr(ctypes.c_int),
-        ],  # fmt: skip
-        "cublasLtMatmulAlgoConfigGetAttribute": [ptr(_Algo), ctypes.c_int, p, sz, ptr(sz)],
-        "cublasLtMatmulAlgoConfigSetAttribute": [ptr(_Algo), ctypes.c_int, p, sz],
+        "cublasLtMatmulPreferenceSetAttribute": [p, i32, p, sz],
+        "cublasLtMatmulAlgoGetHeuristic": [p] * 7 + [i32, ptr(_Heuristic), ptr(i32)],
+        "cublasLtMatmulAlgoConfigGetAttribute": [ptr(_Algo), i32, p, sz, ptr(sz)],
+        "cublasLtMatmulAlgoConfigSetAttribute": [ptr(_Algo), i32, p, sz],
         "cublasLtMatmulAlgoCheck": [p, p, p, p, p, p, ptr(_Algo), ptr(_Heuristic)],
         "cublasLtGetVersion": [],
-        "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, ptr(_Algo), p, sz, p],
+        "cublasLtMatmul": [p] * 12 + [ptr(_Algo), p, sz, p],
     }
     for name, args in sigs.items():
         fn = getattr(lib, name)
@@ -263,7 +253,7 @@ class LtProduct:
                 count,
                 results,
                 ctypes.byref(returned),
-            ),  # fmt: skip
+            ),
             "cublasLtMatmulAlgoGetHeuristic",
         )
         return [
@@ -308,12 +298,12 @@ class LtProduct:
                 out.data_ptr(),
                 self._d,
                 out.data_ptr(),
-                self._d,
+                self._d,  # C = D: beta reads out
                 ctypes.byref(algo.algo),
                 _workspace(self.device).data_ptr(),
                 WORKSPACE_BYTES,
                 stream,
-            ),  # fmt: skip
+            ),
             "cublasLtMatmul",
         )
         return out

@@ -82,6 +82,14 @@ def test_bad_values(tmp_path):
         job_from(tmp_path, BASE, "mode=sample")
 
 
+def test_tune_gemms_job_key(tmp_path):
+    assert job_from(tmp_path, BASE).model.engine_config().tune_gemms is True
+    config = job_from(tmp_path, BASE, "model.tune_gemms=false").model.engine_config()
+    assert config.tune_gemms is False
+    with pytest.raises(JobError, match=r"model\.tune_gemms: expected bool"):
+        job_from(tmp_path, BASE, "model.tune_gemms=3")
+
+
 def test_missing_required(tmp_path):
     with pytest.raises(JobError, match=r"^output: missing required section"):
         job_from(tmp_path, BASE.replace("output: {path: out/summarize}", ""))

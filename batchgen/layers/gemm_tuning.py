@@ -229,6 +229,19 @@ def _time_shape(weights: list[torch.Tensor], accumulate: bool, m: int, product) 
     return record
 
 
+def _record_algo(product, record: dict):
+    """The record's cuBLASLt algorithm as a candidate of product's shape; None where the record
+    says cuBLAS, or its algorithm does not parse or no longer applies (another library)."""
+    from batchgen.kernels.cublaslt import Candidate
+
+    if not record["algo"]:
+        return None
+    try:
+        return product.check(Candidate.from_hex(record["algo"]), 0)
+    except ValueError:
+        return None
+
+
 @torch.inference_mode()
 def tune_projections(
     groups: list[tuple[list[torch.Tensor], bool]], rows: list[int], use_cache: bool = True
@@ -241,7 +254,7 @@ def tune_projections(
     (linear.add_linear_). rows: the row counts to tune (the CUDA graphs' sizes). use_cache:
     read and write the cache file (cache_path()).
     """
-    from batchgen.kernels.cublaslt import Candidate, CublasLtError, LtProduct, version
+    from batchgen.kernels.cublaslt import CublasLtError, LtProduct, version
 
     report = TuneReport()
     t0 = time.perf_counter()
@@ -264,19 +277,13 @@ def tune_projections(
                 continue
             key = _cache_key(m, w0, accumulate, lt_version)
             record = _results.get(key) if use_cache else None
-            algo = None
-            if record is not None and record.get("algo"):
-                try:
-                    algo = product.check(Candidate.from_hex(record["algo"]), 0)
-                except ValueError:
-                    algo = None
-                record = record if algo is not None else None  # stale: time it again
-            if record is None:
+            algo = _record_algo(product, record) if record is not None else None
+            # Not cached, or its algorithm no longer applies here: time the shape.
+            if record is None or (record["algo"] and algo is None):
                 record = _time_shape(weights, accumulate, m, product)
                 report.timed += 1
                 _results[key] = record
-                if record["algo"]:
-                    algo = product.check(Candidate.from_hex(record["algo"]), 0)
+                algo = _record_algo(product, record)
             if algo is not None:
                 linear.register(m, w0, accumulate, product, algo)
                 report.tuned += 1

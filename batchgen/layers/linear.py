@@ -22,17 +22,15 @@ def weight_kn(weight: torch.Tensor) -> bool | None:
     return None
 
 
-def _key(x: torch.Tensor, weight: torch.Tensor, accumulate: bool) -> tuple:
+def _key(rows: int, x_ld: int, weight: torch.Tensor, accumulate: bool) -> tuple:
     n, k = weight.shape
-    return (x.shape[0], n, k, weight_kn(weight), accumulate, x.stride(0), x.dtype, x.device.index)
+    return (rows, n, k, weight_kn(weight), accumulate, x_ld, weight.dtype, weight.device.index)
 
 
 def register(rows: int, weight: torch.Tensor, accumulate: bool, product, algo) -> None:
     """Run products of `rows` contiguous rows with weight's shape, layout, dtype and device
     (and accumulate) through product (a kernels.cublaslt.LtProduct) with algo."""
-    n, k = weight.shape
-    key = (rows, n, k, weight_kn(weight), accumulate, k, weight.dtype, weight.device.index)
-    _TUNED[key] = (product, algo)
+    _TUNED[_key(rows, weight.shape[1], weight, accumulate)] = (product, algo)
 
 
 def clear_tuning() -> None:
@@ -41,9 +39,9 @@ def clear_tuning() -> None:
 
 
 def _tuned(x: torch.Tensor, weight: torch.Tensor, accumulate: bool):
-    if not _TUNED or not x.is_cuda or x.dim() != 2 or x.stride(1) != 1:
+    if not _TUNED or not x.is_cuda or x.dim() != 2 or x.stride(1) != 1 or x.dtype != weight.dtype:
         return None
-    return _TUNED.get(_key(x, weight, accumulate))
+    return _TUNED.get(_key(x.shape[0], x.stride(0), weight, accumulate))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
 from batchgen.kernels.cublaslt import Candidate, _Algo
 
-from batchgen.job import JobError, load_job
 from batchgen.layers import gemm_tuning, linear
 from batchgen.models.loader import load_model
 
@@ -97,8 +95,8 @@ def test_cpu_tensors_never_use_the_registry(clean_registry):
     linear.register(5, w, True, fake, "algo")
     # The exact keys linear / add_linear_ would look up for these tensors are registered: only
     # the CUDA check keeps the fake out.
-    assert linear._key(x, w, False) in clean_registry
-    assert linear._key(x, w, True) in clean_registry
+    assert linear._key(x.shape[0], x.stride(0), w, False) in clean_registry
+    assert linear._key(x.shape[0], x.stride(0), w, True) in clean_registry
     assert linear._tuned(x, w, False) is None and linear._tuned(x, w, True) is None
     torch.testing.assert_close(linear.linear(x, w), F.linear(x, w), rtol=1e-6, atol=1e-6)
     expected = residual + x @ w.t()
@@ -236,29 +234,6 @@ def test_projection_groups_leave_out_biased_projections(tiny_model_dir):
     assert len(groups) == 3
     assert groups[0][0][0] is layers[0].self_attn.o_proj.weight
     assert [acc for _, acc in groups] == [False, False, False]
-
-
-JOB = """
-model: {path: examples/tiny-llama}
-input: {path: examples/data/docs.jsonl}
-prompt: {template: "Summarize:\\n{text}\\nSummary:"}
-sampling: {max_tokens: 32, temperature: 0.0}
-output: {path: out/summarize}
-"""
-
-
-def job_from(tmp_path, *overrides: str):
-    path = tmp_path / "job.yaml"
-    path.write_text(textwrap.dedent(JOB))
-    return load_job(path, list(overrides))
-
-
-def test_tune_gemms_job_key(tmp_path):
-    assert job_from(tmp_path).model.engine_config().tune_gemms is True
-    config = job_from(tmp_path, "model.tune_gemms=false").model.engine_config()
-    assert config.tune_gemms is False
-    with pytest.raises(JobError, match=r"model\.tune_gemms: expected bool"):
-        job_from(tmp_path, "model.tune_gemms=3")
 
 
 def test_malformed_cache_records_are_dropped(fresh_cache, tmp_path):
