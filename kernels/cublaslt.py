@@ -31,9 +31,11 @@ _DTYPES = {torch.bfloat16: 14, torch.float16: 2}  # CUDA_R_16BF, CUDA_R_16F
 _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _PREF_MAX_WORKSPACE_BYTES = 1
+# cublasLtMatmulAlgoCapAttributes_t: lists of the tile and stages ids an algorithm supports.
+_CAP_TILE_IDS, _CAP_STAGES_IDS, _CAP_CUSTOM_OPTION_MAX = 6, 13, 7
 # cublasLtMatmulAlgoConfigAttributes_t: read for reports (config), set for variants.
-_CONFIG_ATTRS = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "stages": 6,
-                 "cluster": 8}  # fmt: skip
+_CONFIG_ATTRS = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "custom": 5,
+                 "stages": 6, "inner": 7, "cluster": 8}  # fmt: skip
 WORKSPACE_BYTES = 32 << 20
 
 
@@ -93,6 +95,9 @@ def _lib() -> ctypes.CDLL:
         "cublasLtMatmulAlgoCheck": [p, p, p, p, p, p, ptr(_Algo), ptr(_Heuristic)],
         "cublasLtGetVersion": [],
         "cublasLtMatmul": [p] * 12 + [ptr(_Algo), p, sz, p],
+        "cublasLtMatmulAlgoGetIds": [p] + [i32] * 7 + [ptr(i32), ptr(i32)],
+        "cublasLtMatmulAlgoInit": [p] + [i32] * 7 + [ptr(_Algo)],
+        "cublasLtMatmulAlgoCapGetAttribute": [ptr(_Algo), i32, p, sz, ptr(sz)],
     }
     for name, args in sigs.items():
         fn = getattr(lib, name)
@@ -151,13 +156,39 @@ class Candidate:
         algo = _Algo.from_buffer_copy(bytes(self.algo))
         for name, value in config.items():
             attr = _CONFIG_ATTRS[name]
-            buf = ctypes.c_uint16(value) if name == "cluster" else ctypes.c_uint32(value)
+            small = name in ("cluster", "inner")
+            buf = ctypes.c_uint16(value) if small else ctypes.c_uint32(value)
             status = _lib().cublasLtMatmulAlgoConfigSetAttribute(
                 ctypes.byref(algo), attr, ctypes.byref(buf), ctypes.sizeof(buf)
             )
             if status != 0:
                 return None
         return Candidate(index, algo, self.workspace)
+
+    def custom_option_max(self) -> int:
+        """The largest custom option (config "custom") this algorithm accepts."""
+        value, written = ctypes.c_int32(0), ctypes.c_size_t(0)
+        status = _lib().cublasLtMatmulAlgoCapGetAttribute(
+            ctypes.byref(self.algo), _CAP_CUSTOM_OPTION_MAX, ctypes.byref(value), 4,
+            ctypes.byref(written),
+        )  # fmt: skip
+        return value.value if status == 0 else 0
+
+    def supported(self, what: str) -> list[int]:
+        """The tile ids ("tile") or stages ids ("stages") this algorithm accepts."""
+        attr = {"tile": _CAP_TILE_IDS, "stages": _CAP_STAGES_IDS}[what]
+        written = ctypes.c_size_t(0)
+        lib = _lib()
+        status = lib.cublasLtMatmulAlgoCapGetAttribute(
+            ctypes.byref(self.algo), attr, None, 0, ctypes.byref(written)
+        )
+        if status != 0 or written.value == 0:
+            return []
+        ids = (ctypes.c_uint32 * (written.value // 4))()
+        status = lib.cublasLtMatmulAlgoCapGetAttribute(
+            ctypes.byref(self.algo), attr, ids, ctypes.sizeof(ids), ctypes.byref(written)
+        )
+        return list(ids) if status == 0 else []
 
     def config(self) -> dict[str, int]:
         """The algorithm's tile / split-K / stages / cluster ids (cublasLt enum values)."""
@@ -261,6 +292,30 @@ class LtProduct:
             for i in range(returned.value)
             if results[i].state == 0
         ]
+
+    def _types(self) -> list[int]:
+        dt = _DTYPES[self.dtype]
+        return [_CUBLAS_COMPUTE_32F, _CUDA_R_32F, dt, dt, dt, dt]
+
+    def algo_ids(self, count: int = 128) -> list[int]:
+        """Every algorithm id cuBLASLt has for this product's data types (any shape)."""
+        ids, returned = (ctypes.c_int * count)(), ctypes.c_int(0)
+        _check(
+            _lib().cublasLtMatmulAlgoGetIds(
+                _handle(self.device), *self._types(), count, ids, ctypes.byref(returned)
+            ),
+            "cublasLtMatmulAlgoGetIds",
+        )
+        return list(ids[: returned.value])
+
+    def init_algo(self, algo_id: int, index: int = 0) -> Candidate | None:
+        """Algorithm algo_id with its default config (tile, stages: undefined), or None if it
+        does not apply to these data types; variant() then sets its tile, stages, cluster."""
+        algo = _Algo()
+        status = _lib().cublasLtMatmulAlgoInit(
+            _handle(self.device), *self._types(), algo_id, ctypes.byref(algo)
+        )
+        return None if status != 0 else Candidate(index, algo, 0)
 
     def check(self, cand: Candidate, index: int) -> Candidate | None:
         """cand (found for another shape) as a candidate of this shape, if cuBLASLt accepts it

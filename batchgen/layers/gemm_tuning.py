@@ -7,11 +7,14 @@ many of the row counts a decode step runs (llama3.1-8b's down projection at 192 
 against 50.8 for another of cuBLASLt's kernels; `lt_algo_probe.py`, RESULTS.md twelfth session).
 
 How: the runner calls tune_projections before it captures the CUDA graphs, with the graphs' row
-counts. Each timing cycles through every layer's weight of the projection, as a step does, so
-the weights come from HBM, in CUDA-graph replays. A candidate replaces cuBLAS when it is
-TUNE_MIN_GAIN faster. The heuristic lists at most 8 algorithms for a shape; `candidates` adds
-those it lists for neighbouring row counts that cuBLASLt accepts for this one (TUNE_WIDEN), and
-the fastest few are tried again with other thread-block cluster shapes (TUNE_REFINE).
+counts. Candidates: the algorithms cuBLASLt's heuristic lists for the shape (at most 8), those
+it lists for neighbouring row counts that cuBLASLt accepts for this one (TUNE_WIDEN), the
+fastest few again with other thread-block cluster shapes (TUNE_REFINE), and from
+TUNE_TILES_MIN_ROWS rows up (the mixed steps) every tile id cuBLASLt runs for the algorithm,
+the best tiles then with every custom option and cluster shape. Each is screened on the first
+layers' weights (SCREEN_BYTES, past L2, so they stream from HBM as in a step) in CUDA-graph
+replays; the fastest TUNE_CONFIRM and cuBLAS are then timed over every layer's weight, and a
+candidate replaces cuBLAS when it is TUNE_MIN_GAIN faster there.
 
 Cache: results (winner or "cuBLAS") go to gemm_tuning.json under BATCHGEN_CACHE_DIR, else
 $XDG_CACHE_HOME/batchgen, else ~/.cache/batchgen, keyed by GPU, cuBLASLt version, search and
@@ -45,6 +48,21 @@ TUNE_WIDEN = 1
 # the fastest (llama3.1-8b down at 192 rows: 44.2 us against 50.9; `lt_algo_probe.py`).
 TUNE_REFINE = 3
 TUNE_CLUSTERS = (2, 3, 4, 5, 6, 8)
+# From this many rows up (the mixed steps: a decode bucket plus the prompt chunk), also search
+# the tile ids cuBLASLt lists for the algorithm (over a hundred run for each shape; the
+# heuristic names a handful): each base's every tile, then its TUNE_TILE_TOP fastest with every
+# custom option and cluster shape. The bases are the fastest candidate so far, the heuristic's
+# first and its first with split-K. llama3.1-8b's down at 256 rows: 49.0 us against 56.2
+# (`lt_tile_search.py`, RESULTS.md thirteenth session). 0 turns the search off.
+TUNE_TILES_MIN_ROWS = 129
+TUNE_TILE_TOP = 4
+# Candidates are screened on the first layers' weights, at least SCREEN_BYTES of them (past
+# the 50 MB L2, so they stream from HBM like a step's), 3 replays each; the TUNE_CONFIRM
+# fastest and cuBLAS are then timed over every layer's weight, CONFIRM_REPLAYS replays, and the
+# winner is chosen from those (the fastest of hundreds of short timings is biased low).
+SCREEN_BYTES = 256 << 20
+TUNE_CONFIRM = 3
+CONFIRM_REPLAYS = 9
 CACHE_NAME = "gemm_tuning.json"
 CACHE_VERSION = 1
 
@@ -111,7 +129,10 @@ def _save_cache(path: str) -> None:
 def _cache_key(m: int, weight: torch.Tensor, accumulate: bool, lt_version: int) -> str:
     n, k = weight.shape
     gpu = torch.cuda.get_device_name(weight.device)
-    search = f"c{TUNE_CANDIDATES}w{TUNE_WIDEN}r{TUNE_REFINE}g{TUNE_MIN_GAIN}"
+    search = (
+        f"c{TUNE_CANDIDATES}w{TUNE_WIDEN}r{TUNE_REFINE}g{TUNE_MIN_GAIN}"
+        f"t{TUNE_TILES_MIN_ROWS}x{TUNE_TILE_TOP}s{SCREEN_BYTES >> 20}f{TUNE_CONFIRM}"
+    )
     layout = "kn" if linear.weight_kn(weight) else "nk"
     return (
         f"{gpu}|lt{lt_version}|{search}|{str(weight.dtype).removeprefix('torch.')}|"
@@ -146,8 +167,9 @@ def candidates(product, count: int = TUNE_CANDIDATES, widen: bool = True) -> lis
     return out
 
 
-def _graph_us(call, weights: list[torch.Tensor]) -> float:
-    """us per product of call(w), made once for each w in weights, from CUDA-graph replays."""
+def _graph_us(call, weights: list[torch.Tensor], replays: int = 3) -> float:
+    """us per product of call(w), made once for each w in weights: the median of `replays`
+    CUDA-graph replays."""
 
     def run():
         for w in weights:
@@ -163,7 +185,7 @@ def _graph_us(call, weights: list[torch.Tensor]) -> float:
         run()
     graph.replay()
     times = []
-    for _ in range(3):
+    for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
@@ -197,6 +219,48 @@ def _refine(product, timed: list, time_us) -> list:
     return extra
 
 
+def _tile_search(product, timed: list, time_us) -> list:
+    """Candidates with other tile ids (TUNE_TILES_MIN_ROWS above), as (us, index, candidate):
+    for each base (the fastest of timed, the heuristic's first, its first with split-K), every
+    tile cuBLASLt lists and accepts for the shape, then the TUNE_TILE_TOP fastest of those with
+    every custom option and cluster shape (cluster 0: cuBLASLt's choice)."""
+    from batchgen.kernels.cublaslt import CublasLtError
+
+    seen = {bytes(c.algo) for _, _, c in timed}
+    extra = []
+
+    def run(base, **config) -> float | None:
+        var = base.variant(len(timed) + len(extra), **config)
+        if var is None or bytes(var.algo) in seen:
+            return None
+        seen.add(bytes(var.algo))
+        var = product.check(var, var.index)
+        if var is None:
+            return None
+        try:
+            us = time_us(var)
+        except CublasLtError:
+            return None
+        extra.append((us, var.index, var))
+        return us
+
+    ranked = [c for _, _, c in sorted(timed, key=lambda t: t[:2])]
+    own = [c for _, _, c in timed if c.index < TUNE_CANDIDATES]
+    split = [c for c in own if c.config().get("splitk", 1) > 1]
+    bases = {bytes(c.algo): c for c in ranked[:1] + own[:1] + split[:1]}
+    for base in bases.values():
+        by_tile = []
+        for tile in base.supported("tile"):
+            us = run(base, tile=tile)
+            if us is not None:
+                by_tile.append((us, tile))
+        for _, tile in sorted(by_tile)[:TUNE_TILE_TOP]:
+            for custom in range(base.custom_option_max() + 1):
+                for cluster in (0, *TUNE_CLUSTERS):
+                    run(base, tile=tile, custom=custom, cluster=cluster)
+    return extra
+
+
 def _time_shape(weights: list[torch.Tensor], accumulate: bool, m: int, product) -> dict:
     """Time cuBLAS and the candidates at m rows over weights: the cache record."""
     from batchgen.kernels.cublaslt import CublasLtError
@@ -205,25 +269,32 @@ def _time_shape(weights: list[torch.Tensor], accumulate: bool, m: int, product) 
     n, k = w0.shape
     x = torch.randn(m, k, device=w0.device, dtype=w0.dtype)
     out = torch.zeros(m, n, device=w0.device, dtype=w0.dtype)
-    if accumulate:
-        base = _graph_us(lambda w: out.addmm_(x, w.t()), weights)
-    else:
-        base = _graph_us(lambda w: F.linear(x, w), weights)
-    record = {"algo": None, "us": base, "cublas_us": base}
+    screen = weights[: max(2, -(-SCREEN_BYTES // (w0.numel() * w0.element_size())))]
 
-    def time_us(cand) -> float:
-        return _graph_us(lambda w: product(x, w, cand, out=out), weights)
+    def cublas_us(ws: list[torch.Tensor], replays: int) -> float:
+        if accumulate:
+            return _graph_us(lambda w: out.addmm_(x, w.t()), ws, replays)
+        return _graph_us(lambda w: F.linear(x, w), ws, replays)
+
+    def time_us(cand, ws: list[torch.Tensor] = screen, replays: int = 3) -> float:
+        return _graph_us(lambda w: product(x, w, cand, out=out), ws, replays)
 
     try:
         timed = [
             (time_us(cand), cand.index, cand)
             for cand in candidates(product, TUNE_CANDIDATES, bool(TUNE_WIDEN))
         ]
+        timed += _refine(product, timed, time_us)
+        if timed and TUNE_TILES_MIN_ROWS and m >= TUNE_TILES_MIN_ROWS:
+            timed += _tile_search(product, timed, time_us)
     except CublasLtError:
-        return record
-    timed += _refine(product, timed, time_us)
-    if timed:
-        best_us, _, best = min(timed, key=lambda t: t[:2])
+        timed = []
+    base = cublas_us(weights, CONFIRM_REPLAYS)
+    record = {"algo": None, "us": base, "cublas_us": base}
+    finalists = sorted(timed, key=lambda t: t[:2])[: max(1, TUNE_CONFIRM)]
+    confirmed = [(time_us(c, weights, CONFIRM_REPLAYS), i, c) for _, i, c in finalists]
+    if confirmed:
+        best_us, _, best = min(confirmed, key=lambda t: t[:2])
         if best_us < base * (1 - TUNE_MIN_GAIN):
             record.update(algo=best.to_hex(), us=best_us)
     return record

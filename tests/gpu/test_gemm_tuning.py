@@ -39,6 +39,30 @@ def test_every_candidate_equals_torch(m, kn, accumulate):
         close(product(x, w, cand, out=out), ref)
 
 
+@pytest.mark.parametrize("kn", [False, True], ids=["nk", "kn"])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["out", "acc"])
+def test_tile_search_candidates_equal_torch(kn, accumulate):
+    # Every config the tile search runs (other tiles, custom options, cluster shapes of the
+    # bases) computes the same product; the timer is a stand-in that ranks by index.
+    torch.manual_seed(1)
+    m, n, k = 200, 384, 1024
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    if kn:
+        w = w.t().contiguous().t()
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    ref = residual.clone().addmm_(x, w.t()) if accumulate else F.linear(x, w)
+    product = LtProduct(m, n, k, torch.bfloat16, kn, k, torch.cuda.current_device(), accumulate)
+    timed = [(float(c.index), c.index, c) for c in product.candidates(8)]
+    extra = gemm_tuning._tile_search(product, timed, lambda c: float(c.index))
+    assert len(extra) > len(timed)  # the search runs configs the heuristic did not list
+    tiles = {c.config()["tile"] for _, _, c in extra}
+    assert len(tiles) > 1
+    for _, _, cand in extra:
+        out = residual.clone() if accumulate else None
+        close(product(x, w, cand, out=out), ref)
+
+
 def test_tuned_projections_equal_torch(monkeypatch, tmp_path):
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(gemm_tuning, "TUNE_MIN_GAIN", -1.0)  # register a winner everywhere
@@ -49,10 +73,12 @@ def test_tuned_projections_equal_torch(monkeypatch, tmp_path):
     kn_weights = [torch.randn(256, 512, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     kn_weights = [w.t().contiguous().t() for w in kn_weights]
     try:
-        report = gemm_tuning.tune_projections([(weights, False), (kn_weights, True)], [8, 64])
-        assert report.shapes == report.timed == report.tuned == 4
+        # 144 rows: past TUNE_TILES_MIN_ROWS, so the tile search runs there too.
+        rows = [8, 64, 144]
+        report = gemm_tuning.tune_projections([(weights, False), (kn_weights, True)], rows)
+        assert report.shapes == report.timed == report.tuned == 6
         assert (tmp_path / gemm_tuning.CACHE_NAME).exists()
-        for m in (8, 64):
+        for m in rows:
             x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
             close(linear.linear(x, weights[1]), F.linear(x, weights[1]))
             h = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
@@ -62,7 +88,7 @@ def test_tuned_projections_equal_torch(monkeypatch, tmp_path):
             close(res, ref)
         # A second tuning reads the cache: nothing is timed again.
         linear.clear_tuning()
-        again = gemm_tuning.tune_projections([(weights, False), (kn_weights, True)], [8, 64])
-        assert again.timed == 0 and again.tuned == 4
+        again = gemm_tuning.tune_projections([(weights, False), (kn_weights, True)], rows)
+        assert again.timed == 0 and again.tuned == 6
     finally:
         linear.clear_tuning()
