@@ -19,11 +19,10 @@ def close(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert (got.float() - ref.float()).abs().max().item() <= 1e-2 * scale
 
 
-@pytest.mark.parametrize("m", [1, 16, 100, 256])
-@pytest.mark.parametrize("kn", [False, True], ids=["nk", "kn"])
-@pytest.mark.parametrize("accumulate", [False, True], ids=["out", "acc"])
-def test_every_candidate_equals_torch(m, kn, accumulate):
-    torch.manual_seed(m)
+def product_case(m: int, kn: bool, accumulate: bool, seed: int):
+    """A bf16 [m, 1024] x [384, 1024]^T product in the given layout: (product, x, w, residual,
+    torch's result)."""
+    torch.manual_seed(seed)
     n, k = 384, 1024
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     if kn:
@@ -32,11 +31,24 @@ def test_every_candidate_equals_torch(m, kn, accumulate):
     residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     ref = residual.clone().addmm_(x, w.t()) if accumulate else F.linear(x, w)
     product = LtProduct(m, n, k, torch.bfloat16, kn, k, torch.cuda.current_device(), accumulate)
-    cands = gemm_tuning.candidates(product)
-    assert len(cands) >= 1
+    return product, x, w, residual, ref
+
+
+def all_equal_torch(case, cands) -> None:
+    product, x, w, residual, ref = case
     for cand in cands:
-        out = residual.clone() if accumulate else None
+        out = residual.clone() if product.accumulate else None
         close(product(x, w, cand, out=out), ref)
+
+
+@pytest.mark.parametrize("m", [1, 16, 100, 256])
+@pytest.mark.parametrize("kn", [False, True], ids=["nk", "kn"])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["out", "acc"])
+def test_every_candidate_equals_torch(m, kn, accumulate):
+    case = product_case(m, kn, accumulate, seed=m)
+    cands = gemm_tuning.candidates(case[0])
+    assert len(cands) >= 1
+    all_equal_torch(case, cands)
 
 
 @pytest.mark.parametrize("kn", [False, True], ids=["nk", "kn"])
@@ -44,23 +56,13 @@ def test_every_candidate_equals_torch(m, kn, accumulate):
 def test_tile_search_candidates_equal_torch(kn, accumulate):
     # Every config the tile search runs (other tiles, custom options, cluster shapes of the
     # bases) computes the same product; the timer is a stand-in that ranks by index.
-    torch.manual_seed(1)
-    m, n, k = 200, 384, 1024
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    if kn:
-        w = w.t().contiguous().t()
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    ref = residual.clone().addmm_(x, w.t()) if accumulate else F.linear(x, w)
-    product = LtProduct(m, n, k, torch.bfloat16, kn, k, torch.cuda.current_device(), accumulate)
+    case = product_case(200, kn, accumulate, seed=1)
+    product = case[0]
     timed = [(float(c.index), c.index, c) for c in product.candidates(8)]
     extra = gemm_tuning._tile_search(product, timed, lambda c: float(c.index))
     assert len(extra) > len(timed)  # the search runs configs the heuristic did not list
-    tiles = {c.config()["tile"] for _, _, c in extra}
-    assert len(tiles) > 1
-    for _, _, cand in extra:
-        out = residual.clone() if accumulate else None
-        close(product(x, w, cand, out=out), ref)
+    assert len({c.config()["tile"] for _, _, c in extra}) > 1
+    all_equal_torch(case, [c for _, _, c in extra])
 
 
 def test_tuned_projections_equal_torch(monkeypatch, tmp_path):
