@@ -95,8 +95,6 @@ def _lib() -> ctypes.CDLL:
         "cublasLtMatmulAlgoCheck": [p, p, p, p, p, p, ptr(_Algo), ptr(_Heuristic)],
         "cublasLtGetVersion": [],
         "cublasLtMatmul": [p] * 12 + [ptr(_Algo), p, sz, p],
-        "cublasLtMatmulAlgoGetIds": [p] + [i32] * 7 + [ptr(i32), ptr(i32)],
-        "cublasLtMatmulAlgoInit": [p] + [i32] * 7 + [ptr(_Algo)],
         "cublasLtMatmulAlgoCapGetAttribute": [ptr(_Algo), i32, p, sz, ptr(sz)],
     }
     for name, args in sigs.items():
@@ -292,30 +290,6 @@ class LtProduct:
             for i in range(returned.value)
             if results[i].state == 0
         ]
-
-    def _types(self) -> list[int]:
-        dt = _DTYPES[self.dtype]
-        return [_CUBLAS_COMPUTE_32F, _CUDA_R_32F, dt, dt, dt, dt]
-
-    def algo_ids(self, count: int = 128) -> list[int]:
-        """Every algorithm id cuBLASLt has for this product's data types (any shape)."""
-        ids, returned = (ctypes.c_int * count)(), ctypes.c_int(0)
-        _check(
-            _lib().cublasLtMatmulAlgoGetIds(
-                _handle(self.device), *self._types(), count, ids, ctypes.byref(returned)
-            ),
-            "cublasLtMatmulAlgoGetIds",
-        )
-        return list(ids[: returned.value])
-
-    def init_algo(self, algo_id: int, index: int = 0) -> Candidate | None:
-        """Algorithm algo_id with its default config (tile, stages: undefined), or None if it
-        does not apply to these data types; variant() then sets its tile, stages, cluster."""
-        algo = _Algo()
-        status = _lib().cublasLtMatmulAlgoInit(
-            _handle(self.device), *self._types(), algo_id, ctypes.byref(algo)
-        )
-        return None if status != 0 else Candidate(index, algo, 0)
 
     def check(self, cand: Candidate, index: int) -> Candidate | None:
         """cand (found for another shape) as a candidate of this shape, if cuBLASLt accepts it
