@@ -1,4 +1,5 @@
-"""Synchronized wall-clock timing: the GPU is drained before the clock starts and stops."""
+"""Timing: synchronized wall clock (the GPU is drained before the clock starts and stops), and
+CUDA-graph replays timed by CUDA events (GPU time without Python's per-call launch cost)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,31 @@ def peak_memory_bytes(device: torch.device) -> int | None:
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def graph_median_us(fn: Callable[[], object], reps: int, before=None) -> float:
+    """Median microseconds of a CUDA-graph replay of fn over reps timed replays (the upper median
+    when reps is even). fn runs once first on a side stream (kernels compile and libraries set up
+    their per-stream workspaces outside the capture), is captured once and replayed once
+    untimed; `before` (e.g. an L2 flush) runs ahead of each timed replay, untimed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    del graph
+    return sorted(times)[reps // 2]

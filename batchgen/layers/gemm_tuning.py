@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 import warnings
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from batchgen.bench.timing import graph_median_us
 from batchgen.io.atomic import write_bytes
 from batchgen.layers import linear
 
@@ -169,31 +169,13 @@ def candidates(product, count: int = TUNE_CANDIDATES, widen: bool = True) -> lis
 
 def _graph_us(call, weights: list[torch.Tensor], replays: int = 3) -> float:
     """us per product of call(w), made once for each w in weights: the median of `replays`
-    CUDA-graph replays."""
+    CUDA-graph replays of all of them."""
 
     def run():
         for w in weights:
             call(w)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times) * 1e3 / len(weights)
+    return graph_median_us(run, replays) / len(weights)
 
 
 def _refine(product, timed: list, time_us) -> list:

@@ -12,8 +12,6 @@ short, it is the parallelism of B * Hk programs.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import torch
 import triton
@@ -23,8 +21,7 @@ from batchgen.kernels.decode_attention import (
     launch_decode,
 )
 
-sys.path.insert(0, str(Path(__file__).parent))
-from graph_timing import graph_median_us  # noqa: E402
+from batchgen.bench.timing import graph_median_us
 
 HQ, HK, D, BS = 16, 8, 128, 16
 BATCHES = [int(b) for b in os.environ.get("GAP_BATCHES", "32,64,128,256").split(",") if b]

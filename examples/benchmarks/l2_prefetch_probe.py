@@ -14,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.bench.timing import graph_median_us
+
 sys.path.insert(0, str(Path(__file__).parent))
-from graph_timing import graph_median_us  # noqa: E402
 from probe_chain import (  # noqa: E402
     INTER,
     LAYERS,

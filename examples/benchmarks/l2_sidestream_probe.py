@@ -23,9 +23,10 @@ import triton
 import triton.language as tl
 from batchgen.kernels.decode_attention import choose_num_splits, launch_decode
 
+from batchgen.bench.timing import graph_median_us
+
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_gap_probe import BS, HK, batch  # noqa: E402
-from graph_timing import graph_median_us  # noqa: E402
 from probe_chain import (  # noqa: E402
     INTER,
     LAYERS,

@@ -24,9 +24,9 @@ import sys
 import time
 
 import torch
-from graph_timing import graph_median_us
 
 from batchgen.bench.random_model import build_random_model
+from batchgen.bench.timing import graph_median_us
 from batchgen.layers.context import AttentionContext
 
 BS = 16  # KV block size (the engine's default)

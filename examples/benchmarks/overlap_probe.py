@@ -8,15 +8,11 @@ Usage (CUDA machine, repo root): python examples/benchmarks/overlap_probe.py
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from batchgen.kernels import ops
 
-sys.path.insert(0, str(Path(__file__).parent))
-from graph_timing import graph_median_us  # noqa: E402
+from batchgen.bench.timing import graph_median_us
 
 LAYERS, H, HQ, HK, D, INTER, BS = 28, 1024, 16, 8, 128, 3072, 16
 DEV = torch.device("cuda")

@@ -24,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.bench.timing import graph_median_us
+
 sys.path.insert(0, str(Path(__file__).parent))
-from graph_timing import graph_median_us  # noqa: E402
 from probe_chain import INTER, LAYERS, H, Q, layer_weights, row_op_body  # noqa: E402
 
 
