@@ -198,13 +198,20 @@ class Scheduler:
             return None
         horizon = 0
         decoding = False
+        most = None  # the largest remaining max_tokens of a prompt still to prefill
         for seq in self.running:
-            decoding |= seq.num_tokens - seq.num_computed_tokens == 1
+            left = seq.num_tokens - seq.num_computed_tokens
+            decoding |= left == 1
             if not seq.is_score:
                 horizon = max(horizon, remaining_steps(seq))
+                if left > 1:
+                    most = max(most or 0, remaining_steps(seq))
         if not decoding:
             return None  # nothing to ride along with: fill the step
-        return PromptAllowance(self.mixed_chunk_tokens, horizon)
+        for seq in self.waiting:
+            if not seq.is_score and not seq.num_preemptions:
+                most = max(most or 0, remaining_steps(seq))
+        return PromptAllowance(self.mixed_chunk_tokens, horizon, most)
 
     def _schedule_running(
         self, out: SchedulerOutput, budget: int, allowance: PromptAllowance | None = None

@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+from batchgen.engine import prompt_allowance
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
@@ -598,3 +599,52 @@ def test_mixed_chunks_admit_due_prompts_at_once():
     assert sched.add(due) is None
     out = sched.schedule()
     assert [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled] == [(0, 1), (1, 30)]
+
+
+def _lookahead_step(monkeypatch, lookahead, max_tokens):
+    """The step after a lead (max_tokens 60) is prefilled, with prompts of 20 tokens and the
+    given max_tokens waiting, P = 2: (seq_id, tokens) scheduled."""
+    monkeypatch.setattr(prompt_allowance, "DUE_LOOKAHEAD_STEPS", lookahead)
+    sched = make_sched(num_blocks=256, budget=64, max_num_seqs=16, mixed_chunk_tokens=2)
+    assert sched.add(gen(0, range(1, 5), max_tokens=60, ignore_eos=True)) is None
+    runner = FakeRunner(sched)
+    sched.postprocess(out := sched.schedule(), runner.step(out))  # 59 steps left
+    for i, m in enumerate(max_tokens, start=1):
+        assert sched.add(gen(i, range(20 * i, 20 * i + 20), max_tokens=m, ignore_eos=True)) is None
+    return [(s.seq.seq_id, s.num_new_tokens) for s in sched.schedule().scheduled]
+
+
+def test_due_prompt_brings_prompts_due_within_the_lookahead(monkeypatch):
+    """Once a prompt is due (44 + 16 >= 59), the eager step also prefills those due within
+    DUE_LOOKAHEAD_STEPS more steps (30 + 16 + 16 >= 59), not the rest (10 + 32 < 59)."""
+    assert _lookahead_step(monkeypatch, 16, [44, 30, 10]) == [(0, 1), (1, 20), (2, 20), (3, 2)]
+    # Without the look-ahead the second rides a chunk of P tokens and the third waits.
+    assert _lookahead_step(monkeypatch, 0, [44, 30, 10]) == [(0, 1), (1, 20), (2, 2)]
+
+
+def test_lookahead_waits_for_a_due_prompt(monkeypatch):
+    """With no prompt due, the look-ahead changes nothing: prompts ride P tokens a step."""
+    assert _lookahead_step(monkeypatch, 16, [30, 10]) == [(0, 1), (1, 2)]
+
+
+def test_lookahead_run_gives_expected_outputs(monkeypatch):
+    """A ragged batch under the look-ahead: every sequence ends with its expected tokens, and
+    steps that carry more than P prompt tokens are fewer than without it."""
+    eager = {}
+    for lookahead in (0, 16):
+        monkeypatch.setattr(prompt_allowance, "DUE_LOOKAHEAD_STEPS", lookahead)
+        rng = random.Random(3)
+        sched = make_sched(num_blocks=512, budget=64, max_num_seqs=32, mixed_chunk_tokens=4)
+        seqs = [
+            gen(i, [rng.randrange(1, 50) for _ in range(rng.randrange(4, 24))],
+                max_tokens=rng.randrange(5, 80), ignore_eos=True)
+            for i in range(24)
+        ]  # fmt: skip
+        runner = run_to_completion(sched, seqs)
+        assert_expected(seqs)
+        eager[lookahead] = sum(
+            1
+            for step in runner.steps
+            if any(e[2] == 1 for e in step) and sum(e[2] for e in step if e[2] > 1) > 4
+        )
+    assert eager[16] < eager[0], eager
