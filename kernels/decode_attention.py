@@ -3,8 +3,6 @@ Triton kernels with GQA packing, and the torch reference."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .launch import (
@@ -24,12 +22,6 @@ _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 32
 # A split should cover at least this many keys, or the reduce costs more than it saves.
 _MIN_KEYS_PER_SPLIT = 256
-# A DecodePlan's units fill the GPU this many times over; the split kernel fits this many
-# programs on an SM (H100: 124-128 registers a thread at 4 warps, 39 KB of shared memory).
-_PLAN_WAVES = 3
-_PROGRAMS_PER_SM = 4
-# A planned split's keys are a multiple of this (the kernel's key tile).
-_PLAN_KEY_STEP = 64
 # Launch order of the split kernel's programs: kv heads of one sequence side by side.
 HEADS_FIRST = True
 
@@ -37,47 +29,32 @@ HEADS_FIRST = True
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, seq_lens_ptr, block_tables_ptr, out_ptr, part_acc_ptr, part_lse_ptr,
-    unit_seq_ptr, seq_start_ptr, seq_splits_ptr,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ob, stride_oh,
     qk_scale, NUM_SPLITS,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
-    HEADS_FIRST: tl.constexpr, PLAN: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):  # fmt: skip
-    # Grid (Hk, units), or (units, Hk) without HEADS_FIRST; with HEADS_FIRST the programs
+    # Grid (B, Hk, NUM_SPLITS), or (Hk, B, NUM_SPLITS) with HEADS_FIRST so that programs
     # running side by side read the neighbouring kv heads of the same cache slots (a slot holds
-    # all Hk heads contiguously). A unit is one split of one sequence's keys: sequence b's
-    # splits are units seq_start[b] .. seq_start[b] + seq_splits[b] - 1 and divide its keys
-    # equally. PLAN: the tables come from a DecodePlan (splits per sequence, balanced over the
-    # batch; unit_seq[u] < 0 marks a unit past the plan's, which returns at once); otherwise
-    # every sequence has NUM_SPLITS units, u = b * NUM_SPLITS + split.
-    # A program takes the GROUP q heads of kv head `kvh`, packed as the rows of one
-    # [BLOCK_G, D] tile so each K/V tile is read once for the group, over its unit's keys. A
-    # sequence with one split writes the output; otherwise a normalised partial and its
-    # log2-sum-exp go to part_acc [units, Hq, D] / part_lse [units, Hq] for the reduce kernel.
+    # all Hk heads contiguously). The GROUP q heads of kv head `kvh` of sequence b, packed as the
+    # rows of one [BLOCK_G, D] tile so each K/V tile is read once for the group, over one split
+    # of the keys. NUM_SPLITS == 1 writes the output; otherwise a normalised partial and its
+    # log2-sum-exp go to part_acc [B, Hq, S, D] / part_lse [B, Hq, S] for the reduce kernel.
     # NUM_SPLITS is a runtime value: the split count varies with the batch, and a compile per
     # count would land in the middle of a run.
     if HEADS_FIRST:
         kvh = tl.program_id(0)
-        u = tl.program_id(1)
+        b = tl.program_id(1)
         num_kv_heads = tl.num_programs(0)
     else:
-        u = tl.program_id(0)
+        b = tl.program_id(0)
         kvh = tl.program_id(1)
         num_kv_heads = tl.num_programs(1)
-    if PLAN:
-        b = tl.load(unit_seq_ptr + u)
-        if b < 0:
-            return
-        num_splits = tl.load(seq_splits_ptr + b)
-        split = u - tl.load(seq_start_ptr + b)
-    else:
-        b = u // NUM_SPLITS
-        num_splits = NUM_SPLITS
-        split = u % NUM_SPLITS
+    split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
     n_lo = split * tiles_per_split * BLOCK_N
     n_hi = tl.minimum(n_lo + tiles_per_split * BLOCK_N, seq_len)
 
@@ -115,7 +92,7 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    if num_splits == 1:
+    if NUM_SPLITS == 1:
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         # seq_len 0 (a padding row) has l_i == 0 and yields zeros, not NaN.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -125,7 +102,7 @@ def _decode_split_kernel(
         nonempty = l_i > 0
         acc = acc / tl.where(nonempty, l_i, 1.0)[:, None]
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        row = u.to(tl.int64) * (num_kv_heads * GROUP) + heads
+        row = (b.to(tl.int64) * (num_kv_heads * GROUP) + heads) * NUM_SPLITS + split
         a_ptrs = part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(a_ptrs, acc, mask=q_mask)
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
@@ -133,28 +110,17 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_acc_ptr, part_lse_ptr, out_ptr, seq_start_ptr, seq_splits_ptr, stride_ob, stride_oh,
-    NUM_SPLITS,
+    part_acc_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, NUM_SPLITS,
     HQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    PLAN: tl.constexpr,
 ):  # fmt: skip
-    # Grid (B, Hq): combine the partials of one (sequence, q head); with PLAN a sequence of one
-    # split was written by the split kernel and is skipped.
+    # Grid (B, Hq): combine the NUM_SPLITS partials of one (sequence, q head).
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    if PLAN:
-        num_splits = tl.load(seq_splits_ptr + b)
-        if num_splits == 1:
-            return
-        first = tl.load(seq_start_ptr + b).to(tl.int64)
-    else:
-        num_splits = NUM_SPLITS
-        first = b * NUM_SPLITS
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
+    s_mask = offs_s < NUM_SPLITS
     d_mask = offs_d < HEAD_DIM
-    row = (first + offs_s) * HQ + h
+    row = (b * HQ + h) * NUM_SPLITS + offs_s
     lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
     top = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # all 0 when seq_len == 0
@@ -177,63 +143,6 @@ def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch
     return max(1, min(want, most, _MAX_SPLITS))
 
 
-@dataclass
-class DecodePlan:
-    """Key splits per sequence for one decode batch, balanced over the batch (split_plan).
-
-    Equal splits per sequence leave a mid-size batch (one or two waves of programs) waiting on
-    its longest contexts; a plan instead gives each sequence splits of about the same number
-    of keys, so the programs are of about one length whatever the contexts.
-
-    Attributes:
-        unit_seq: [U] int32, the sequence of each unit (one split of one sequence's keys); -1
-            past the plan's units. U sizes the grid (fixed for a CUDA graph).
-        seq_start: [B] int32, each sequence's first unit (its units are consecutive).
-        seq_splits: [B] int32, each sequence's split count (>= 1).
-    """
-
-    unit_seq: torch.Tensor
-    seq_start: torch.Tensor
-    seq_splits: torch.Tensor
-
-
-def plan_units(batch: int, kv_heads: int, device: torch.device) -> int:
-    """Units of a plan for `batch` sequences: programs enough to fill the GPU _PLAN_WAVES times
-    over at the split kernel's occupancy, and at least one per sequence. Host ints only: a
-    CUDA graph sizes its grid with it. Equal to batch when the batch alone fills the GPU."""
-    want = -(-_PLAN_WAVES * _PROGRAMS_PER_SM * num_sms(device) // max(kv_heads, 1))
-    return max(batch, want)
-
-
-def split_plan(
-    seq_lens: list[int], num_units: int, min_keys: int = _MIN_KEYS_PER_SPLIT
-) -> tuple[list[int], list[int], list[int]]:
-    """Pure-Python bookkeeping for a DecodePlan: (unit_seq [num_units], seq_start, seq_splits).
-
-    Every sequence's keys are cut into ceil(len / C) equal splits, with C the smallest multiple
-    of _PLAN_KEY_STEP that is at least min_keys and keeps the units within num_units (and no
-    sequence above _MAX_SPLITS splits). C = total / (num_units - B) always fits, since
-    sum(ceil(len / C)) <= total / C + B.
-    """
-    batch = len(seq_lens)
-    if batch > num_units:
-        raise ValueError(f"split_plan: {batch} sequences need {batch} units, got {num_units}")
-    total = sum(seq_lens)
-    keys = max(min_keys, -(-max(seq_lens, default=0) // _MAX_SPLITS))
-    if num_units > batch:
-        keys = max(keys, -(-total // (num_units - batch)))
-    else:
-        keys = max(keys, max(seq_lens, default=1))  # one split each
-    keys = -(-keys // _PLAN_KEY_STEP) * _PLAN_KEY_STEP
-    splits = [max(1, -(-n // keys)) for n in seq_lens]
-    starts, unit_seq = [], []
-    for b, n in enumerate(splits):
-        starts.append(len(unit_seq))
-        unit_seq += [b] * n
-    unit_seq += [-1] * (num_units - len(unit_seq))
-    return unit_seq, starts, splits
-
-
 def paged_attention_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -244,7 +153,6 @@ def paged_attention_decode(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
-    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its whole paged context, Triton kernels.
 
@@ -264,8 +172,6 @@ def paged_attention_decode(
             MB * BS, the most the block tables can hold.
         out: where to write the result, [B, Hq, D] in q.dtype with a contiguous last dim (a
             view into a larger buffer is fine: a mixed step's decode rows); None allocates it.
-        plan: splits per sequence built from the host's context lengths (split_plan), in
-            place of num_splits equal splits for every sequence.
 
     Returns:
         out, [B, Hq, D] in q.dtype.
@@ -311,24 +217,9 @@ def paged_attention_decode(
         raise ValueError(f"{op}: num_splits must be >= 1, got {num_splits}")
     if out is not None:
         check_out(op, q, out)
-    if plan is not None:
-        _check_plan(op, plan, B)
     return launch_decode(
-        q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, *_tiles(), out=out,
-        plan=plan,
-    )  # fmt: skip
-
-
-def _check_plan(op: str, plan: DecodePlan, batch: int) -> None:
-    tables = (plan.unit_seq, plan.seq_start, plan.seq_splits)
-    if any(t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous() for t in tables):
-        raise ValueError(f"{op}: the plan's tables must be contiguous 1-D int32 tensors")
-    if plan.seq_start.shape[0] != batch or plan.seq_splits.shape[0] != batch:
-        raise ValueError(
-            f"{op}: the plan covers {plan.seq_start.shape[0]} sequences, the batch has {batch}"
-        )
-    if plan.unit_seq.shape[0] < batch:
-        raise ValueError(f"{op}: a plan needs at least one unit per sequence ({batch})")
+        q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, *_tiles(), out=out
+    )
 
 
 def _tiles() -> tuple[int, int, int]:
@@ -351,12 +242,10 @@ def launch_decode(
     num_stages,
     heads_first: bool = HEADS_FIRST,
     out: torch.Tensor | None = None,
-    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """Launch the split and reduce kernels on checked arguments with explicit tiles (tests,
-    benchmarks); out: a checked [B, Hq, D] to write, or None to allocate one; plan: the
-    splits per sequence (num_splits is then unused). paged_attention_decode is the entry
-    point."""
+    benchmarks); out: a checked [B, Hq, D] to write, or None to allocate one;
+    paged_attention_decode is the entry point."""
     B, HQ, D = q.shape
     bs, HK = k_cache.shape[1], k_cache.shape[2]
     if out is None:
@@ -364,35 +253,26 @@ def launch_decode(
     if B == 0:
         return out
     group = HQ // HK
-    if plan is not None:
-        units = plan.unit_seq.shape[0]
-        split_tables = (plan.unit_seq, plan.seq_start, plan.seq_splits)
-        reduce = True  # the reduce's programs return at once for sequences of one split
-    else:
-        units = B * num_splits
-        split_tables = (seq_lens, seq_lens, seq_lens)  # unread without a plan
-        reduce = num_splits > 1
-    if reduce:
-        part_acc = torch.empty((units, HQ, D), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((units, HQ), dtype=torch.float32, device=q.device)
+    if num_splits > 1:
+        part_acc = torch.empty((B, HQ, num_splits, D), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((B, HQ, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_lse = out
-    grid = (HK, units) if heads_first else (units, HK)
+    grid = (HK, B, num_splits) if heads_first else (B, HK, num_splits)
     _decode_split_kernel[grid](
-        q, k_cache, v_cache, seq_lens, block_tables, out, part_acc, part_lse, *split_tables,
+        q, k_cache, v_cache, seq_lens, block_tables, out, part_acc, part_lse,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         scale * _LOG2E, num_splits,
         GROUP=group, BLOCK_G=max(16, pow2(group)), HEAD_DIM=D, BLOCK_D=pow2(D),
         BLOCK_N=block_n, PAGE_SIZE=bs,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEADS_FIRST=heads_first,
-        PLAN=plan is not None, num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if reduce:
+    if num_splits > 1:
         _decode_reduce_kernel[(B, HQ)](
-            part_acc, part_lse, out, *split_tables[1:], out.stride(0), out.stride(1),
-            num_splits, HQ=HQ, HEAD_DIM=D, BLOCK_D=pow2(D),
-            BLOCK_S=pow2(max(num_splits, _MAX_SPLITS)), PLAN=plan is not None,
+            part_acc, part_lse, out, out.stride(0), out.stride(1), num_splits,
+            HQ=HQ, HEAD_DIM=D, BLOCK_D=pow2(D), BLOCK_S=pow2(max(num_splits, _MAX_SPLITS)),
             num_warps=4 if D >= 128 else 2,
         )  # fmt: skip
     return out
