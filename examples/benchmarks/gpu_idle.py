@@ -14,14 +14,10 @@ activity, so the host side runs as in the timed run) and prints:
 from __future__ import annotations
 
 import sys
-import time
 from collections import defaultdict
 
 import torch
-from nano_engine import warm_nano_engine
-from torch.profiler import ProfilerActivity, profile
-
-from batchgen.bench.engine_run import drain, submit
+from nano_engine import profiled_nano_run
 
 STEP_END = "_argmax_chunks_kernel"  # the sampler's last kernel: one per step
 GAP_EDGES_US = (5, 20, 100, 1000)
@@ -57,21 +53,7 @@ def busy_and_gaps(acts: list[tuple[float, float, str]]) -> tuple[float, list[tup
 
 def main() -> None:
     preset = sys.argv[1] if len(sys.argv) > 1 else "llama3.1-8b"
-    engine, w = warm_nano_engine(preset)
-    submit(engine, w, "untimed-")
-    drain(engine)
-    submit(engine, w, "timed-")
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    drain(engine)
-    torch.cuda.synchronize()
-    print(f"{preset}: nano run {time.perf_counter() - t0:.3f} s wall (unprofiled)")
-    submit(engine, w, "profiled-")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        drain(engine)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+    prof, wall = profiled_nano_run(preset)
     acts = kernels(prof)
     span = acts[-1][1] - acts[0][0]
     busy, gaps = busy_and_gaps(acts)

@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
 from batchgen.bench.engine_run import build_bench, drain, submit
 from batchgen.bench.random_model import preset_config
 from batchgen.bench.workloads import Workload, nano, warmup_workload
@@ -18,3 +23,24 @@ def warm_nano_engine(preset: str):
     submit(engine, warmup_workload(w, vocab, 16), "warmup-")
     drain(engine)
     return engine, w
+
+
+def profiled_nano_run(preset: str):
+    """Warm the engine, run nano once untimed and once timed (printing its wall), then once
+    under the CUDA-only profiler. Returns (the profiler, the profiled run's wall seconds)."""
+    engine, w = warm_nano_engine(preset)
+    submit(engine, w, "untimed-")
+    drain(engine)
+    submit(engine, w, "timed-")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    drain(engine)
+    torch.cuda.synchronize()
+    print(f"{preset}: nano run {time.perf_counter() - t0:.3f} s wall (unprofiled)")
+    submit(engine, w, "profiled-")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        drain(engine)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    return prof, wall

@@ -9,14 +9,10 @@ decode roofline and the measured wall goes.
 from __future__ import annotations
 
 import sys
-import time
 from collections import defaultdict
 
 import torch
-from nano_engine import warm_nano_engine
-from torch.profiler import ProfilerActivity, profile
-
-from batchgen.bench.engine_run import drain, submit
+from nano_engine import profiled_nano_run
 
 # Substrings of kernel names -> the kind reported; the first match wins.
 KINDS = [
@@ -41,21 +37,7 @@ def kind(name: str) -> str:
 
 def main() -> None:
     preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"
-    engine, w = warm_nano_engine(preset)
-    submit(engine, w, "untimed-")
-    drain(engine)
-    submit(engine, w, "timed-")
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    drain(engine)
-    torch.cuda.synchronize()
-    print(f"{preset}: nano run {time.perf_counter() - t0:.3f} s wall")
-    submit(engine, w, "profiled-")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        drain(engine)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+    prof, wall = profiled_nano_run(preset)
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
