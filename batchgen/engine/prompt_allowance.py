@@ -67,14 +67,18 @@ class PromptAllowance:
         self.seqs_left = MIXED_CHUNK_SEQS
         self.horizon = horizon
         self.slack = DUE_SLACK_STEPS
-        if most_remaining is not None and most_remaining + DUE_SLACK_STEPS >= horizon:
+        if most_remaining is not None and self._due(most_remaining):
             self.slack += DUE_LOOKAHEAD_STEPS
+
+    def _due(self, remaining: int) -> bool:
+        """Whether a prompt with `remaining` steps of max_tokens left is due at this slack."""
+        return remaining + self.slack >= self.horizon
 
     def is_due(self, seq: Sequence) -> bool:
         """Preempted and scoring sequences are always due (nothing to align them with)."""
         if seq.is_score or seq.num_preemptions:
             return True
-        return remaining_steps(seq) + self.slack >= self.horizon
+        return self._due(remaining_steps(seq))
 
     def exhausted(self) -> bool:
         """No prompt that is not due gets tokens in this step any more."""
