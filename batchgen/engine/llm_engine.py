@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 import random
+import weakref
 from dataclasses import dataclass, field
 
 from batchgen.config import EngineConfig
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.detokenizer import StopStringChecker
+from batchgen.engine.gc_pause import HeapFreeze
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.request import Request, ScoreAccumulator, sample_seed
 from batchgen.engine.sampler import SamplingBatch
@@ -82,6 +84,10 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._ready: list[RequestOutput] = []  # rejected at add time, returned by the next step
         self._inflight: _Launched | None = None  # launched, not yet resolved (async scheduling)
+        # The pre-run heap is frozen while requests are unfinished (gc_pause.py); an engine
+        # dropped mid-run gives its hold back when it is collected.
+        self._heap = HeapFreeze()
+        weakref.finalize(self, self._heap.release)
 
     # ---- requests in ---------------------------------------------------------------------
     def add_request(
@@ -236,6 +242,19 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the requests that finished (including rejected ones).
+
+        While requests are unfinished the heap from before the run is frozen against full
+        garbage collections (gc_pause.py); the step that finishes the last one unfreezes it.
+        """
+        if self.has_unfinished_requests():
+            self._heap.hold()
+        outputs = self._step()
+        if not self.has_unfinished_requests():
+            self._heap.release()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
+        """One batch (see step).
 
         With async scheduling (the default) a step is launched on the device and the step
         before it is then resolved while it runs: its sampled tokens are read, stop conditions
