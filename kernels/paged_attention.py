@@ -17,6 +17,9 @@ from .launch import (
 )
 
 _LOG2E = 1.4426950408889634
+# Query rows per program (at most) and warps of the kernel on a GPU, for head_dim <= 128.
+PREFILL_BLOCK_M = 64
+PREFILL_NUM_WARPS = 4
 
 
 @triton.jit
@@ -125,10 +128,10 @@ def _tiles(head_dim: int, max_seqlen_q: int) -> tuple[int, int, int, int]:
     """
     if interpreting():
         return 16, 16, 4, 1
-    block_m = min(64, max(16, pow2(max_seqlen_q)))
+    block_m = min(PREFILL_BLOCK_M, max(16, pow2(max_seqlen_q)))
     if head_dim > 128:
         return block_m, 32, 4, 2
-    return block_m, 64, 4, 3
+    return block_m, 64, PREFILL_NUM_WARPS, 3
 
 
 def launch_attention(
