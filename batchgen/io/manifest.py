@@ -23,7 +23,15 @@ JOB_FILE = "_job.json"
 MANIFEST_DIR = "_manifest"
 SUCCESS_FILE = "_SUCCESS"
 STATS_FILE = "_stats.json"
-_PART = re.compile(r"^\.?part-(\d{5})\.(parquet|jsonl)")
+# The exact names batchgen writes: shard files, their manifest entries, and the temp files of
+# either (atomic.temp_path: "." + name + ".tmp-<pid>-<8 hex>"). Nothing else is ever deleted.
+_SHARD = re.compile(r"^part-(\d{5})\.(parquet|jsonl)$")
+_ENTRY = re.compile(r"^part-(\d{5})\.json$")
+_TEMP = re.compile(
+    r"^\.(part-(\d{5})\.(parquet|jsonl|json)|_job\.json|_stats\.json)"
+    + re.escape(atomic.TMP_MARK)
+    + r"\d+-[0-9a-f]+$"
+)
 
 
 def _read_json(path: str) -> dict | None:
@@ -61,7 +69,7 @@ def read_entries(out_dir: str) -> dict[int, dict]:
     d = os.path.join(out_dir, MANIFEST_DIR)
     out = {}
     for name in os.listdir(d) if os.path.isdir(d) else []:
-        m = re.match(r"^part-(\d{5})\.json$", name)
+        m = _ENTRY.match(name)
         if m and (e := _read_json(os.path.join(d, name))) is not None:
             out[int(m.group(1))] = e
     return out
@@ -93,8 +101,8 @@ def remove_stray_temps(out_dir: str, owns) -> list[str]:
     removed = []
     for d in (out_dir, os.path.join(out_dir, MANIFEST_DIR)):
         for name in os.listdir(d) if os.path.isdir(d) else []:
-            m = _PART.match(name)
-            if atomic.TMP_MARK in name and m and owns(int(m.group(1))):
+            m = _TEMP.match(name)
+            if m and m.group(2) is not None and owns(int(m.group(2))):
                 os.unlink(os.path.join(d, name))
                 removed.append(name)
     return removed
@@ -107,15 +115,21 @@ def is_batchgen_dir(out_dir: str) -> bool:
 
 
 def clear_outputs(out_dir: str) -> None:
-    """--overwrite: remove a previous job's outputs (only the names batchgen writes)."""
+    """--overwrite: remove a previous job's outputs, only files with the exact names batchgen
+    writes (a user's `part-00000.jsonl.bak` or other files stay); `_manifest/` goes if that
+    leaves it empty."""
     for name in os.listdir(out_dir):
         path = os.path.join(out_dir, name)
-        if _PART.match(name) or name in (JOB_FILE, SUCCESS_FILE, STATS_FILE):
+        if not os.path.isfile(path) or os.path.islink(path):
+            if name == MANIFEST_DIR and os.path.isdir(path) and not os.path.islink(path):
+                for sub in os.listdir(path):
+                    if _ENTRY.match(sub) or _TEMP.match(sub):
+                        os.unlink(os.path.join(path, sub))
+                if not os.listdir(path):
+                    os.rmdir(path)
+            continue
+        if _SHARD.match(name) or _TEMP.match(name) or name in (JOB_FILE, SUCCESS_FILE, STATS_FILE):
             os.unlink(path)
-        elif name == MANIFEST_DIR:
-            for sub in os.listdir(path):
-                os.unlink(os.path.join(path, sub))
-            os.rmdir(path)
     atomic.fsync_dir(out_dir)
 
 

@@ -110,9 +110,25 @@ class Runner:
             raise JobError(f"prompt: {e}") from None
         self.parts = self.mode.fingerprint_parts(fingerprint_parts(job, self.files))
         self.fingerprint = fingerprint(self.parts)
+        self._check_output_apart()
         self._claim_output_dir()
         manifest.remove_stray_temps(self.out_dir, self.shard.owns)
         self.committed = manifest.committed_shards(self.out_dir, self.fingerprint)
+
+    def _check_output_apart(self) -> None:
+        """The output directory (and its _manifest/) must hold no input file: shards, temps and
+        --overwrite would replace or delete it."""
+        out = self.out_dir
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise JobError(f"output.path: {out!r} exists and is not a directory")
+        real_out = os.path.realpath(out)
+        homes = (real_out, os.path.join(real_out, manifest.MANIFEST_DIR))
+        for f in self.files:
+            if os.path.dirname(os.path.realpath(f)) in homes:
+                raise JobError(
+                    f"output.path: {out!r} holds the input file {f}; write the output to a "
+                    "directory of its own"
+                )
 
     def _claim_output_dir(self) -> None:
         out = self.out_dir
@@ -215,6 +231,7 @@ class Runner:
         self._queue: deque[tuple[int, Request]] = deque()
         self._open: dict[int, _Shard] = {}
         self._in_flight: dict[str, tuple[int, Request]] = {}
+        self._dropped = False  # a stop dropped shards (or a buffer) that were never started
         input_done = False
         deadline = None
         while True:
@@ -230,7 +247,9 @@ class Runner:
             self._admit(stopping=deadline is not None)
             if not self._in_flight:
                 if deadline is not None:
-                    return input_done and not self._open
+                    # Finished only if the stop dropped nothing: shards read but never
+                    # started are still owed (exit 75, so a scheduler requeues the task).
+                    return input_done and not self._open and not self._dropped
                 if input_done:
                     return True
                 continue
@@ -286,8 +305,10 @@ class Runner:
             self.mode.submit(self.engine, rid, req)
 
     def _drop_unstarted_shards(self) -> None:
+        unstarted = [k for k, s in self._open.items() if s.admitted == 0]
+        self._dropped = self._dropped or self._buffer is not None or bool(unstarted)
         self._buffer = None
-        for k in [k for k, s in self._open.items() if s.admitted == 0]:
+        for k in unstarted:
             del self._open[k]
         self._queue = deque((k, r) for k, r in self._queue if k in self._open)
 

@@ -13,6 +13,7 @@ from workspace import TEMPLATE, load, make_job, read_output, rows, write_jsonl, 
 from batchgen.job import JobError
 from batchgen.pipeline.runner import Runner
 from batchgen.pipeline.sharding import ShardSelector
+from batchgen.pipeline.signals import StopFlag
 from batchgen.planner import row_seed
 
 
@@ -107,6 +108,42 @@ def test_two_shard_tasks_are_disjoint_and_cover_the_input(tmp_path):
     assert read_output("out")["id"].to_list() == [r["id"] for r in data]
 
 
+def test_stop_that_drops_unstarted_shards_is_not_success(tmp_path):
+    # The stop arrives just after the whole input was read, while whole shards still wait in
+    # the queue: those are dropped uncommitted, so the run must exit 75 (requeue), not 0.
+    data = rows(60)
+    write_jsonl(tmp_path / "in.jsonl", data)
+    job = load(make_job(tmp_path, "in.jsonl", output={"shard_rows": 5}))
+    stop = StopFlag()
+    runner = Runner(
+        job,
+        engine_factory=lambda j: FakeEngine(max_model_len=256, max_num_seqs=2),
+        tokenizer_factory=lambda j: FakeTokenizer(),
+        stop=stop,
+        max_in_flight=8,
+        chunk_rows=7,
+    )
+    dropped = []
+    read_chunk = runner._read_chunk
+
+    def read_then_stop() -> bool:
+        more = read_chunk()
+        unstarted = [k for k, s in runner._open.items() if s.admitted == 0]
+        if not more and unstarted and not stop.is_set():
+            dropped.extend(unstarted)
+            stop.set("SIGTERM")
+        return more
+
+    runner._read_chunk = read_then_stop
+    first = runner.run()
+    assert dropped
+    assert first.exit_code == 75 and not first.complete
+    assert any("interrupted by SIGTERM" in line for line in first.lines)
+    again = run(job)
+    assert again.exit_code == 0 and again.complete
+    assert read_output("out")["id"].to_list() == [r["id"] for r in data]
+
+
 def test_resume_skips_committed_shards(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", rows(120))
     job = load(make_job(tmp_path, "in.jsonl"))
@@ -136,6 +173,26 @@ def test_foreign_non_empty_output_dir_refused(tmp_path):
         run(load(make_job(tmp_path, "in.jsonl")))
     assert run(load(make_job(tmp_path, "in.jsonl")), overwrite=True).complete
     assert (tmp_path / "out/notes.txt").exists()
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_output_dir_holding_an_input_file_refused(tmp_path, overwrite):
+    # Spark-style inputs named like shards: the run must neither replace nor delete them.
+    (tmp_path / "data").mkdir()
+    write_jsonl(tmp_path / "data/part-00000.jsonl", rows(5))
+    before = (tmp_path / "data/part-00000.jsonl").read_bytes()
+    job = load(make_job(tmp_path, "data", output={"path": "data"}))
+    with pytest.raises(JobError, match="holds the input file .*part-00000.jsonl"):
+        run(job, overwrite=overwrite)
+    assert (tmp_path / "data/part-00000.jsonl").read_bytes() == before
+    assert os.listdir(tmp_path / "data") == ["part-00000.jsonl"]
+
+
+def test_output_path_that_is_a_file_refused(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", rows(5))
+    (tmp_path / "out").write_text("a file")
+    with pytest.raises(JobError, match="exists and is not a directory"):
+        run(load(make_job(tmp_path, "in.jsonl")))
 
 
 def test_n_samples_are_lists(tmp_path):
