@@ -43,18 +43,23 @@ class ShardLayout:
     token_logprobs: bool = False
 
 
+def _as_text(value: Any) -> str | None:
+    """A passthrough value as text: strings unchanged, anything else as its JSON text."""
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
 def _column(values: list[Any], dtype: Any) -> pl.Series:
+    """A passthrough column: the inputs' own dtype when every input file declares the same one
+    (Parquet), else text. The type never depends on a shard's values, so every shard of a job
+    has one schema, and no value is ever cast to null."""
     if dtype is not None:
         try:
-            return pl.Series(values=values, dtype=dtype, strict=False)
+            return pl.Series(values=values, dtype=dtype, strict=True)
         except Exception:
-            pass
-    values = [json.dumps(v) if isinstance(v, (dict, list)) else v for v in values]
-    try:
-        s = pl.Series(values=values, strict=True)
-    except Exception:
-        s = pl.Series(values=[None if v is None else str(v) for v in values], dtype=pl.String)
-    return s.cast(pl.String) if s.dtype == pl.Null else s
+            pass  # a value its file's dtype cannot hold: keep it, as text
+    return pl.Series(values=[_as_text(v) for v in values], dtype=pl.String)
 
 
 def to_frame(rows: list[ResultRow], layout: ShardLayout) -> pl.DataFrame:

@@ -47,6 +47,26 @@ class _Shard:
     admitted: int = 0
 
 
+def passthrough_dtypes(formats: dict[str, str], columns, log) -> list[tuple[str, object]]:
+    """(column, dtype) per passthrough column: the dtype the Parquet inputs declare when all
+    inputs are Parquet and agree on it, else None (written as text, the same in every shard)."""
+    found: dict[str, dict[object, str]] = {c: {} for c in columns}
+    parquet_only = all(fmt == "parquet" for fmt in formats.values())
+    for f in formats if parquet_only else ():
+        schema = pl.read_parquet_schema(f)
+        for c in columns:
+            if c in schema:
+                found[c].setdefault(schema[c], f)
+    out = []
+    for c in columns:
+        kinds = found[c]
+        if len(kinds) > 1:
+            seen = ", ".join(f"{dtype} in {f}" for dtype, f in kinds.items())
+            log(f"input: column {c!r} has several types ({seen}); it is written as text")
+        out.append((c, next(iter(kinds)) if len(kinds) == 1 else None))
+    return out
+
+
 class Runner:
     """Runs one task of a job (all shards, or those selected by `shard`).
 
@@ -207,13 +227,7 @@ class Runner:
         )
 
     def _layout(self) -> ShardLayout:
-        dtypes = {}
-        for f, fmt in self.formats.items():
-            if fmt == "parquet":
-                schema = pl.read_parquet_schema(f)
-                dtypes.update({c: schema[c] for c in self.job.input.columns if c in schema})
-                break
-        passthrough = tuple((c, dtypes.get(c)) for c in self.job.input.columns)
+        passthrough = tuple(passthrough_dtypes(self.formats, self.job.input.columns, self.log))
         return self.mode.layout(passthrough, os.path.basename(self.job.model.path))
 
     def _planner(self):

@@ -195,6 +195,36 @@ def test_output_path_that_is_a_file_refused(tmp_path):
         run(load(make_job(tmp_path, "in.jsonl")))
 
 
+def test_parquet_inputs_that_agree_keep_their_dtype(tmp_path):
+    data = [{**r, "topic": i} for i, r in enumerate(rows(8))]
+    write_parquet(tmp_path / "in/a.parquet", data[:4])
+    write_parquet(tmp_path / "in/b.parquet", data[4:])
+    run(load(make_job(tmp_path, "in", output={"shard_rows": 3})))
+    for part in sorted((tmp_path / "out").glob("part-*.parquet")):
+        assert pl.read_parquet_schema(part)["topic"] == pl.Int64
+    assert read_output("out")["topic"].to_list() == list(range(8))
+
+
+def test_passthrough_types_that_differ_become_text_in_every_shard(tmp_path):
+    # int64 in one Parquet file, strings in the other: nothing may turn into null, and every
+    # shard must share one schema (a reader of the whole directory needs that).
+    data = rows(6)
+    write_parquet(tmp_path / "in/a.parquet", [{**r, "topic": i} for i, r in enumerate(data[:3])])
+    write_parquet(tmp_path / "in/b.parquet", data[3:])
+    logs = []
+    run(load(make_job(tmp_path, "in", output={"shard_rows": 2})), log=logs.append)
+    assert any("'topic' has several types" in line for line in logs)
+    assert read_output("out")["topic"].to_list() == ["0", "1", "2", "a", "b", "c"]
+    # JSONL: numbers in one shard, strings and objects in the next.
+    values = [1, 2, "x", {"k": [1, True]}, None, 2.5]
+    write_jsonl(tmp_path / "in.jsonl", [{**r, "topic": v} for r, v in zip(rows(6), values)])
+    run(load(make_job(tmp_path, "in.jsonl", output={"path": "out2", "shard_rows": 2})))
+    schemas = {str(pl.read_parquet_schema(p)) for p in (tmp_path / "out2").glob("part-*")}
+    assert len(schemas) == 1
+    got = pl.read_parquet(tmp_path / "out2/*.parquet")["topic"].to_list()
+    assert got == ["1", "2", "x", '{"k": [1, true]}', None, "2.5"]
+
+
 def test_n_samples_are_lists(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", rows(10))
     job = load(
