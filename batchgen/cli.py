@@ -21,12 +21,27 @@ def _fail(message: str) -> None:
 
 
 def _default_shard() -> str | None:
-    """`I/N` from a Slurm array task's environment, if running as one."""
-    task, count = os.environ.get("SLURM_ARRAY_TASK_ID"), os.environ.get("SLURM_ARRAY_TASK_COUNT")
+    """`I/N` from a Slurm array task's environment, if running as one: I counts the array's
+    tasks from SLURM_ARRAY_TASK_MIN in steps of SLURM_ARRAY_TASK_STEP (`--array=0-6:2`)."""
+    env = os.environ
+    task, count = env.get("SLURM_ARRAY_TASK_ID"), env.get("SLURM_ARRAY_TASK_COUNT")
     if task is None or count is None:
         return None
-    first = int(os.environ.get("SLURM_ARRAY_TASK_MIN", "0"))
-    return f"{int(task) - first}/{count}"
+    try:
+        first = int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
+        step = int(env.get("SLURM_ARRAY_TASK_STEP", "1") or "1")
+        offset, n = int(task) - first, int(count)
+    except ValueError:
+        raise JobError(
+            "cannot read the Slurm array task from SLURM_ARRAY_TASK_ID/_COUNT/_MIN/_STEP "
+            f"({task!r}, {count!r}); pass --shard I/N"
+        ) from None
+    if step < 1 or offset % step or not 0 <= offset // step < n:
+        raise JobError(
+            f"Slurm array task {task} (min {first}, step {step}, count {n}) is not one of "
+            "evenly spaced task ids; pass --shard I/N"
+        )
+    return f"{offset // step}/{n}"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

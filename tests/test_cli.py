@@ -15,7 +15,11 @@ from fake_engine import FakeEngine, FakeTokenizer  # noqa: E402
 from workspace import make_job, read_output, rows, write_jsonl  # noqa: E402
 
 from batchgen import cli  # noqa: E402
+from batchgen.job import JobError, load_job  # noqa: E402
 from batchgen.pipeline import engine_factory  # noqa: E402
+
+REAL_MODEL_MAX_LEN = engine_factory.model_max_len  # the fixture below swaps these
+REAL_BUILD_ENGINE = engine_factory.build_engine
 
 
 @pytest.fixture(autouse=True)
@@ -99,6 +103,49 @@ def test_shard_option_and_slurm_env(tmp_path, monkeypatch):
     res = invoke("run", str(job))
     assert "shards committed: 5/5" in res.output and "_SUCCESS written" in res.output
     assert read_output("out").height == 45
+
+
+@pytest.mark.parametrize(
+    "task, count, first, step, shard",
+    [("4", "4", "0", "2", "2/4"), ("7", "3", "3", "2", "2/3"), ("5", "2", "4", None, "1/2")],
+)
+def test_slurm_array_task_to_shard(monkeypatch, task, count, first, step, shard):
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", task)
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", count)
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", first)
+    if step is None:
+        monkeypatch.delenv("SLURM_ARRAY_TASK_STEP", raising=False)
+    else:
+        monkeypatch.setenv("SLURM_ARRAY_TASK_STEP", step)
+    assert cli._default_shard() == shard
+
+
+@pytest.mark.parametrize("task, step", [("x", "1"), ("3", "2"), ("9", "1")])
+def test_bad_slurm_array_task_is_a_clear_error(tmp_path, monkeypatch, task, step):
+    write_jsonl(tmp_path / "in.jsonl", rows(5))
+    job = make_job(tmp_path, "in.jsonl")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", task)
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "4")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "0")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_STEP", step)
+    res = invoke("run", str(job))
+    assert res.exit_code == 2 and "pass --shard I/N" in res.output
+
+
+def test_unsupported_model_fails_before_anything_runs(tmp_path, monkeypatch):
+    write_jsonl(tmp_path / "in.jsonl", rows(5))
+    job = make_job(tmp_path, "in.jsonl")
+    monkeypatch.setattr(engine_factory, "model_max_len", REAL_MODEL_MAX_LEN)
+    res = invoke("run", str(job))
+    assert res.exit_code == 2 and res.output.startswith("error: model.path:")
+    assert not (tmp_path / "out").exists()
+
+
+def test_engine_build_errors_are_job_errors(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", rows(5))
+    job = load_job(str(make_job(tmp_path, "in.jsonl")))
+    with pytest.raises(JobError, match="^model: "):
+        REAL_BUILD_ENGINE(job)
 
 
 def test_changed_job_cli(tmp_path):

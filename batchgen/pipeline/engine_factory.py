@@ -43,9 +43,14 @@ class EngineLike(Protocol):
 
 def build_engine(job: JobSpec) -> EngineLike:
     """Load the job's model into an LLMEngine (the expensive step; runs after all checks)."""
+    from batchgen.config import ConfigError
     from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.models.errors import ModelLoadError
 
-    return LLMEngine(job.model.engine_config())
+    try:
+        return LLMEngine(job.model.engine_config())
+    except (ModelLoadError, ConfigError) as e:
+        raise JobError(f"model: {e}") from None
 
 
 def build_tokenizer(job: JobSpec) -> TokenizerLike:

@@ -103,6 +103,7 @@ class Runner:
         self.overwrite = overwrite
         # Looked up at call time so tests can swap engine_factory.build_engine / build_tokenizer.
         self.engine_factory = engine_factory or factory.build_engine
+        self._check_model = engine_factory is None  # the real model: read its config up front
         self.tokenizer_factory = tokenizer_factory or factory.build_tokenizer
         self.stop = stop or StopFlag()
         self.progress_enabled = progress
@@ -123,6 +124,8 @@ class Runner:
         self.formats = {f: file_format(f, job.input.format) for f in self.files}
         self.columns = self.mode.columns(self.files, list(self.formats.values()))
         tok = self.tokenizer = self.tokenizer_factory(job)
+        if self._check_model:
+            factory.model_max_len(job)  # config.json: architecture, lengths (JobError if bad)
         self.renderer = PromptRenderer(job.prompt, tok.chat_template, tok.bos_token, tok.eos_token)
         try:
             self.renderer.check(needs_chat=job.prompt.chat is not None)

@@ -175,7 +175,11 @@ def test_rerun_skips_committed_shards_and_redoes_a_lost_one(tmp_path):
     score = {"candidates_column": "choices"}  # separator "" instead of " "
     changed = load(score_job(tmp_path, "in.jsonl", score=score, output={"shard_rows": 10}))
     with pytest.raises(JobError, match="changed: score"):
-        Runner(changed, tokenizer_factory=lambda j: FakeTokenizer()).prepare()
+        Runner(
+            changed,
+            engine_factory=lambda j: FakeEngine(),
+            tokenizer_factory=lambda j: FakeTokenizer(),
+        ).prepare()
 
 
 def test_token_logprobs_and_chat_prompt(tmp_path):
