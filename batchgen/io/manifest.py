@@ -28,7 +28,7 @@ STATS_FILE = "_stats.json"
 _SHARD = re.compile(r"^part-(\d{5})\.(parquet|jsonl)$")
 _ENTRY = re.compile(r"^part-(\d{5})\.json$")
 _TEMP = re.compile(
-    r"^\.(part-(\d{5})\.(parquet|jsonl|json)|_job\.json|_stats\.json)"
+    r"^\.(part-(\d{5})\.(parquet|jsonl|json)|_job\.json|_stats\.json|_SUCCESS)"
     + re.escape(atomic.TMP_MARK)
     + r"\d+-[0-9a-f]+$"
 )
@@ -96,16 +96,42 @@ def committed_shards(out_dir: str, fingerprint: str) -> dict[int, dict]:
     return {k: e for k, e in read_entries(out_dir).items() if verify_entry(out_dir, e, fingerprint)}
 
 
-def remove_stray_temps(out_dir: str, owns) -> list[str]:
-    """Delete temp files left by a crash, for shards this task owns (`owns(k) -> bool`)."""
+# A temp of a shared file (_job.json, _stats.json, _SUCCESS) may be another task's write in
+# progress; one this old is a crash's leftover (such a write takes milliseconds).
+STALE_TEMP_S = 600.0
+
+
+def remove_stray_temps(out_dir: str, owns, now: float | None = None) -> list[str]:
+    """Delete temp files left by a crash: those of shards this task owns (`owns(k) -> bool`:
+    no other task writes them), and those of the shared files once STALE_TEMP_S old."""
+    now = time.time() if now is None else now
     removed = []
     for d in (out_dir, os.path.join(out_dir, MANIFEST_DIR)):
         for name in os.listdir(d) if os.path.isdir(d) else []:
             m = _TEMP.match(name)
-            if m and m.group(2) is not None and owns(int(m.group(2))):
-                os.unlink(os.path.join(d, name))
+            if m is None:
+                continue
+            path = os.path.join(d, name)
+            if m.group(2) is not None:
+                stray = owns(int(m.group(2)))
+            else:
+                try:
+                    stray = now - os.path.getmtime(path) > STALE_TEMP_S
+                except OSError:
+                    continue  # renamed into place meanwhile
+            if stray:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    continue
                 removed.append(name)
     return removed
+
+
+def foreign_names(out_dir: str) -> list[str]:
+    """Entries of out_dir that batchgen does not write (temps included as batchgen's)."""
+    ours = (JOB_FILE, SUCCESS_FILE, STATS_FILE, MANIFEST_DIR)
+    return [n for n in os.listdir(out_dir) if not (n in ours or _SHARD.match(n) or _TEMP.match(n))]
 
 
 def is_batchgen_dir(out_dir: str) -> bool:

@@ -157,7 +157,9 @@ class Runner:
         out = self.out_dir
         os.makedirs(out, exist_ok=True)
         old = manifest.read_job(out)
-        if os.listdir(out) and not manifest.is_batchgen_dir(out):
+        # Only batchgen's own names (a first run killed mid-write leaves just a temp of
+        # _job.json; a concurrent task may be writing one now) do not make it foreign.
+        if manifest.foreign_names(out) and not manifest.is_batchgen_dir(out):
             if not self.overwrite:
                 raise JobError(
                     f"output.path: {out!r} is not empty and holds no batchgen output; choose "
@@ -196,16 +198,17 @@ class Runner:
     def run(self) -> RunResult:
         """Prepare, then process every owned shard not yet committed."""
         start = time.monotonic()
-        self.prepare()
-        self.stats = RunStats(shards_skipped=sum(map(self.shard.owns, self.committed)))
-        self.progress = Progress(self.progress_enabled)
-        self.engine = None
-        self.layout = self._layout()
-        try:
-            with GracefulStop(self.stop):
+        # Stop signals are caught from the start: one during preparation also exits 75.
+        with GracefulStop(self.stop):
+            self.prepare()
+            self.stats = RunStats(shards_skipped=sum(map(self.shard.owns, self.committed)))
+            self.progress = Progress(self.progress_enabled)
+            self.engine = None
+            self.layout = self._layout()
+            try:
                 finished = self._loop()
-        finally:
-            self.progress.close()
+            finally:
+                self.progress.close()
         self.stats.wall_s = time.monotonic() - start
         num_shards, complete = None, False
         if finished:

@@ -81,3 +81,16 @@ def test_manifest_verify_and_cleanup(tmp_path):
     assert manifest.mark_success_if_complete(out, "f1", 1) is False
     manifest.clear_outputs(out)
     assert os.listdir(out) == []
+
+
+def test_shared_file_temps_removed_only_when_stale(tmp_path):
+    out = str(tmp_path)
+    names = ["._job.json.tmp-1-aa", "._stats.json.tmp-2-bb", "._SUCCESS.tmp-3-cc"]
+    for name in names:
+        (tmp_path / name).write_text("x")
+    mtime = os.path.getmtime(tmp_path / names[0])
+    # Another task may be writing these right now: kept while young.
+    assert manifest.remove_stray_temps(out, lambda k: True, now=mtime + 5) == []
+    stale = mtime + manifest.STALE_TEMP_S + 1
+    assert sorted(manifest.remove_stray_temps(out, lambda k: False, now=stale)) == sorted(names)
+    assert os.listdir(out) == []

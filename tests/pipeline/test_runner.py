@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import polars as pl
 import pytest
@@ -186,6 +187,26 @@ def test_output_dir_holding_an_input_file_refused(tmp_path, overwrite):
         run(job, overwrite=overwrite)
     assert (tmp_path / "data/part-00000.jsonl").read_bytes() == before
     assert os.listdir(tmp_path / "data") == ["part-00000.jsonl"]
+
+
+def test_dir_left_with_only_a_job_file_temp_is_ours(tmp_path):
+    # A first run killed while writing _job.json (or a concurrent task writing it now) leaves
+    # only its temp: the directory is still batchgen's, not a foreign one.
+    write_jsonl(tmp_path / "in.jsonl", rows(5))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out/._job.json.tmp-4242-0a1b2c3d").write_text("{")
+    assert run(load(make_job(tmp_path, "in.jsonl"))).complete
+
+
+def test_sigterm_while_preparing_exits_75(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", rows(5))
+
+    def tokenizer_then_sigterm(job):
+        os.kill(os.getpid(), signal.SIGTERM)  # caught: the stop handlers are already in place
+        return FakeTokenizer()
+
+    result = run(load(make_job(tmp_path, "in.jsonl")), tokenizer_factory=tokenizer_then_sigterm)
+    assert result.exit_code == 75 and not result.complete
 
 
 def test_output_path_that_is_a_file_refused(tmp_path):
