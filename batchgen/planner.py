@@ -50,6 +50,7 @@ class Request:
     params: SamplingParams
     passthrough: dict[str, Any] = field(default_factory=dict)
     chat: bool = False
+    source: str = ""  # the row's file:line, which an engine error message names
 
 
 @dataclass
@@ -124,7 +125,7 @@ class Planner:
                 )
                 errors.append(ResultRow.failed(row, "prompt_too_long", msg, keep, len(ids)))
             else:
-                requests.append(Request(row.index, row.id, ids, params, keep, chat))
+                requests.append(Request(row.index, row.id, ids, params, keep, chat, row.source))
         return Plan(order_requests(requests), errors)
 
     def _passthrough(self, row: InputRow) -> dict[str, Any]:
@@ -231,9 +232,10 @@ def to_result(request: Request, output: RequestOutput) -> ResultRow:
     )
     if output.error is not None or output.error_code is not None or not output.outputs:
         code = output.error_code or "engine_error"
-        return ResultRow(
-            **base, error=output.error or "the engine returned no output", error_code=code
-        )
+        message = output.error or "the engine returned no output"
+        if request.source and not message.startswith(request.source):
+            message = f"{request.source}: {message}"
+        return ResultRow(**base, error=message, error_code=code)
     samples = sorted(output.outputs, key=lambda o: o.index)
     if request.params.n == 1:
         s = samples[0]

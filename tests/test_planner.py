@@ -11,7 +11,8 @@ from fake_engine import FakeTokenizer  # noqa: E402
 
 from batchgen.io.rows import InputRow  # noqa: E402
 from batchgen.job import PromptSpec  # noqa: E402
-from batchgen.planner import Planner, Request, order_requests, row_seed  # noqa: E402
+from batchgen.outputs import RequestOutput  # noqa: E402
+from batchgen.planner import Planner, Request, order_requests, row_seed, to_result  # noqa: E402
 from batchgen.prompts import PromptRenderer  # noqa: E402
 from batchgen.sampling_params import SamplingParams  # noqa: E402
 
@@ -78,3 +79,14 @@ def test_order_groups_prefix_then_longest_first():
         Request(3, "d", [2, 3, 4], p),
     ]
     assert [r.index for r in order_requests(reqs)] == [2, 0, 3, 1]
+
+
+def test_engine_error_names_the_row_source():
+    req = Request(3, "r3", [0, 99999], SamplingParams(), source="data/in.jsonl:4")
+    out = RequestOutput("0/3", [0, 99999], error="token id 99999 >= vocab 512", error_code="x")
+    row = to_result(req, out)
+    assert row.error == "data/in.jsonl:4: token id 99999 >= vocab 512" and row.error_code == "x"
+    # Not named twice when the message already starts with it; no source, no prefix.
+    assert to_result(req, RequestOutput("0/3", [], error=row.error)).error == row.error
+    bare = Request(3, "r3", [0], SamplingParams())
+    assert to_result(bare, RequestOutput("0/3", [], error="boom")).error == "boom"
