@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import string
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,8 +100,50 @@ def _raise_exception(message: str):
     raise TemplateError(message)
 
 
+# A chat template renders one row under limits, so a loop driven by the row's data or a huge
+# string is that row's template_error, never a stalled job (a stop signal waits for a render)
+# or an exhausted host.
+RENDER_TIMEOUT_S = 10.0
+MAX_RENDER_CHARS = 16 * 1024 * 1024
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, plus a deadline checked on every attribute, item and call, and a
+    size check on `*` and `**` (the ways one expression builds something huge)."""
+
+    intercepted_binops = frozenset(["*", "**"])
+    deadline = math.inf
+
+    def _tick(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise SecurityError(f"rendering took over {RENDER_TIMEOUT_S:g} s")
+
+    def getattr(self, obj, attribute):
+        self._tick()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+        self._tick()
+        return super().getitem(obj, argument)
+
+    def call(self, __context, __obj, *args, **kwargs):
+        self._tick()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def call_binop(self, context, operator, left, right):
+        self._tick()
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int):
+                    if len(seq) * times > MAX_RENDER_CHARS:
+                        raise SecurityError(f"'*' would build over {MAX_RENDER_CHARS} items")
+        elif operator == "**" and isinstance(right, (int, float)) and abs(right) > 1024:
+            raise SecurityError("'**' with an exponent over 1024")
+        return super().call_binop(context, operator, left, right)
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, undefined=_Undefined, autoescape=False
     )
     env.globals["raise_exception"] = _raise_exception
@@ -151,19 +195,30 @@ class PromptRenderer:
 
     def render_messages(self, messages: list[dict[str, Any]]) -> RenderedPrompt:
         template = self._chat_template()
+        env = template.environment
+        env.deadline = time.monotonic() + RENDER_TIMEOUT_S
         try:
-            text = template.render(
+            parts, size = [], 0
+            for part in template.generate(
                 messages=messages,
                 add_generation_prompt=True,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
-            )
+            ):
+                size += len(part)
+                if size > MAX_RENDER_CHARS:
+                    raise SecurityError(f"output over {MAX_RENDER_CHARS} characters")
+                env._tick()
+                parts.append(part)
+            text = "".join(parts)
         except SecurityError as e:
             raise PromptError("template_error", f"chat template refused by sandbox: {e}") from None
         except TemplateError as e:
             raise PromptError("template_error", f"chat template failed: {e}") from None
         except Exception as e:  # a template can raise anything a filter raises
             raise PromptError("template_error", f"chat template failed: {e!r}") from None
+        finally:
+            env.deadline = math.inf
         has_bos = bool(self.bos_token) and text.startswith(self.bos_token)
         return RenderedPrompt(text, add_special_tokens=not has_bos)
 

@@ -81,3 +81,33 @@ def test_immutable_sandbox_blocks_mutation():
     with pytest.raises(PromptError) as e:
         PromptRenderer(spec).check(needs_chat=True)
     assert e.value.code == "template_error"
+
+
+@pytest.mark.parametrize(
+    "template, why",
+    [
+        # A loop driven by the row's data: stopped by the deadline, not run for minutes.
+        (
+            "{% for m in messages %}{% for i in range(100000) %}{% for j in range(100000) %}"
+            "{% if m.role == 'z' %}x{% endif %}{% endfor %}{% endfor %}{% endfor %}",
+            "took over",
+        ),
+        ("{{ 'a' * 300000000 }}", "'*' would build"),
+        ("{{ 10 ** 100000000 }}", "exponent"),
+        ("{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}", "output over"),
+    ],
+)
+def test_chat_template_runs_under_limits(monkeypatch, template, why):
+    from batchgen import prompts
+
+    monkeypatch.setattr(prompts, "RENDER_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(prompts, "MAX_RENDER_CHARS", 1_000_000)
+    spec = PromptSpec(chat=(ChatMessage("user", "{text}"),))
+    renderer = PromptRenderer(spec, template)
+    with pytest.raises(PromptError, match=why) as e:
+        renderer.render({"text": "x" * 100})
+    assert e.value.code == "template_error"
+    # The same renderer still renders a later row (the deadline is per render).
+    monkeypatch.setattr(prompts, "MAX_RENDER_CHARS", 10**9)
+    ok = PromptRenderer(spec, CHAT)
+    assert ok.render({"text": "hi"}).text == "[user]hi[assistant]"
