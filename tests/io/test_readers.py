@@ -50,6 +50,38 @@ def test_jsonl_line_errors(tmp_path):
     assert got[1].source.endswith("in.jsonl:3") and got[6].id == "5"
 
 
+def test_lines_that_would_crash_later_are_bad_json(tmp_path):
+    # Lone surrogate escapes decode but are no text (tokenizer, seed and writer would raise);
+    # a deeply nested line overflows the parser's recursion. Each is its row's error record.
+    p = tmp_path / "in.jsonl"
+    p.write_bytes(
+        b'{"id": "a", "text": "ok \\\\ud800 escaped, fine"}\n'
+        b'{"id": "b", "text": "lone \\ud800"}\n'
+        b'{"id": "c\\uDFFF", "text": "x"}\n'
+        b'{"id": "d", "text": "x", "meta": {"k": ["\\udc00"]}}\n'
+        b'{"id": "e", "text": "pair \\ud83d\\ude00"}\n' + b"[" * 100000 + b"\n"
+        b'{"id": "f", "text": "after"}\n'
+    )
+    got = read_all([str(p)])
+    assert [r.error_code for r in got] == [None, "bad_json", "bad_json", "bad_json", None] + [
+        "bad_json",
+        None,
+    ]
+    assert "lone surrogate" in got[1].error and got[1].error.startswith(f"{p}:2: ")
+    assert "nested too deeply" in got[5].error
+    assert got[4].data["text"] == "pair \U0001f600"
+    # The column sampling (format detection, check_columns) skips them too.
+    check_columns([str(p)], InputSpec(path=str(p)), ["text"])
+
+
+def test_utf8_bom_at_the_start_of_a_file(tmp_path):
+    p = tmp_path / "in.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"id": "a", "text": "x"}\n{"id": "b", "text": "y"}\n')
+    got = read_all([str(p)])
+    assert [(r.id, r.error_code) for r in got] == [("a", None), ("b", None)]
+    assert file_format(str(p), "auto") == "jsonl"
+
+
 def test_parquet_chunks_and_columns(tmp_path):
     data = rows(23)
     data[4]["id"] = None
