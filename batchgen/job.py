@@ -16,6 +16,7 @@ import yaml
 
 from batchgen.config import ConfigError, EngineConfig
 from batchgen.sampling_params import SamplingParams, SamplingParamsError
+from batchgen.short_repr import short_repr
 
 if TYPE_CHECKING:
     from batchgen.job_score import ScoreSpec
@@ -199,7 +200,7 @@ def _check_type(path: str, value: Any, annotation: str) -> Any:
         if alt.startswith("tuple[") and isinstance(value, (list, tuple, str)):
             return value
     want = " or ".join("null" if a == "None" else a.replace("tuple[", "list[") for a in alts)
-    raise JobError(f"{path}: expected {want}, got {type(value).__name__} {value!r}")
+    raise JobError(f"{path}: expected {want}, got {type(value).__name__} {short_repr(value)}")
 
 
 def _get(sec: dict, path: str, key: str, annotation: str, default: Any = ..., choices=None):
@@ -209,7 +210,9 @@ def _get(sec: dict, path: str, key: str, annotation: str, default: Any = ..., ch
         return default
     value = _check_type(f"{path}.{key}", sec[key], annotation)
     if choices is not None and value not in choices:
-        raise JobError(f"{path}.{key}: {value!r} is not one of {', '.join(map(str, choices))}")
+        raise JobError(
+            f"{path}.{key}: {short_repr(value)} is not one of {', '.join(map(str, choices))}"
+        )
     return value
 
 
@@ -221,7 +224,7 @@ def validate_job(raw: dict, source: str = "<job>") -> JobSpec:
             raise _unknown("", key, top)
     mode = raw.get("mode", "generate")
     if mode not in MODES:
-        raise JobError(f"mode: {mode!r} is not supported (supported: {', '.join(MODES)})")
+        raise JobError(f"mode: {short_repr(mode)} is not supported (supported: {', '.join(MODES)})")
     model = _model_spec(raw)
     inp = _input_spec(raw)
     prompt = _prompt_spec(raw, inp)
@@ -260,10 +263,10 @@ def _input_spec(raw: dict) -> InputSpec:
     id_column = _get(sec, "input", "id_column", "str", "id")
     columns = sec.get("columns") or []
     if isinstance(columns, str) or not isinstance(columns, list):
-        raise JobError(f"input.columns: expected a list of column names, got {columns!r}")
+        raise JobError(f"input.columns: expected a list of column names, got {short_repr(columns)}")
     for i, c in enumerate(columns):
         if not isinstance(c, str) or not c:
-            raise JobError(f"input.columns[{i}]: expected a column name, got {c!r}")
+            raise JobError(f"input.columns[{i}]: expected a column name, got {short_repr(c)}")
     return InputSpec(path, fmt, id_column, tuple(columns))
 
 
@@ -291,7 +294,9 @@ def _prompt_spec(raw: dict, inp: InputSpec) -> PromptSpec:
                     raise _unknown(where, key, ["role", "content"])
             role = _get(m, where, "role", "str")
             if role not in ("system", "user", "assistant"):
-                raise JobError(f"{where}.role: {role!r} is not one of system, user, assistant")
+                raise JobError(
+                    f"{where}.role: {short_repr(role)} is not one of system, user, assistant"
+                )
             msgs.append(ChatMessage(role, _get(m, where, "content", "str")))
         chat = tuple(msgs)
     spec = PromptSpec(template, chat, chat_template)

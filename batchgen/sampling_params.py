@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from batchgen.short_repr import short_repr
+
+# Most top log-probs a request may ask for per token (the engine also caps it at the vocab).
+MAX_LOGPROBS = 100
 
 
 class SamplingParamsError(ValueError):
@@ -28,8 +34,8 @@ class SamplingParams:
         stop: strings that end generation; the stop string is not part of the text.
         stop_token_ids: token ids that end generation (in addition to EOS).
         ignore_eos: keep generating past EOS (benchmarks).
-        logprobs: if set, return the top-k log-probs of each generated token (k >= 0; the
-            sampled token's own log-prob is always included).
+        logprobs: if set, return the top-k log-probs of each generated token (0 <= k <=
+            MAX_LOGPROBS; the sampled token's own log-prob is always included).
     """
 
     max_tokens: int = 16
@@ -65,13 +71,14 @@ class SamplingParams:
     def _validate(self) -> None:
         def bad(name: str, msg: str) -> None:
             value = getattr(self, name)
-            raise SamplingParamsError(f"SamplingParams.{name}={value!r}: {msg}")
+            raise SamplingParamsError(f"SamplingParams.{name}={short_repr(value)}: {msg}")
 
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
         def is_num(v: object) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
+            # finite: NaN passes no comparison and would slip through every range check below
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
@@ -103,8 +110,10 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "must be true or false")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
-            bad("logprobs", "must be None or an integer >= 0")
+        if self.logprobs is not None and (
+            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:

@@ -164,3 +164,24 @@ def test_shipped_jobs_validate():
         job = load_job(name)
         assert job.model.path == "examples/tiny-llama"
     assert load_job("jobs/synthetic.yaml").sampling.base_params()["n"] == 4
+
+
+def test_alias_bomb_gives_a_short_error(tmp_path):
+    # ~600 bytes of YAML whose aliases expand to 9**6 lists: the message stays short.
+    levels = ["&a ['xxxxxxxxxxxxxxxxxxxxxxxxxxxxxx']"]
+    for i, name in enumerate("bcdefg"):
+        levels.append(f"&{name} [" + ", ".join([f"*{'abcdefg'[i]}"] * 9) + "]")
+    stop = "[" + ", ".join(levels) + "]"
+    text = BASE.replace(
+        "sampling: {max_tokens: 32, temperature: 0.0}",
+        f"sampling: {{max_tokens: 32, temperature: 0.0, stop: {stop}}}",
+    )
+    with pytest.raises(JobError) as e:
+        job_from(tmp_path, text)
+    assert len(str(e.value)) < 600
+    assert "stop" in str(e.value)
+
+
+def test_nan_temperature_in_a_job_is_refused(tmp_path):
+    with pytest.raises(JobError, match="temperature"):
+        job_from(tmp_path, BASE, "sampling.temperature=.nan")

@@ -22,6 +22,16 @@ from batchgen.sampling_params import SamplingParams, SamplingParamsError
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 101}, "logprobs"),
+        # NaN fails every comparison, so each range check must also ask for a finite number.
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"min_p": float("nan")}, "min_p"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"frequency_penalty": float("-inf")}, "frequency_penalty"),
         ({"ignore_eos": "yes"}, "ignore_eos"),
     ],
 )
@@ -34,3 +44,13 @@ def test_stop_accepts_string_and_list():
     assert SamplingParams(stop="###").stop == ("###",)
     assert SamplingParams(stop=["a", "b"], stop_token_ids=[3]).stop_token_ids == (3,)
     assert SamplingParams(temperature=0).greedy
+
+
+def test_error_quotes_a_huge_value_briefly():
+    # Shared references (what YAML aliases build) make a tiny document a vast value.
+    value = ["x" * 10_000]
+    for _ in range(6):
+        value = [value] * 9
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams(stop=value)
+    assert len(str(e.value)) < 400 and "SamplingParams.stop=" in str(e.value)

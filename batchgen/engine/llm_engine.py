@@ -117,6 +117,12 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             self._reject(request_id, ids, "bad_params", "stop strings need a tokenizer")
             return
+        vocab = self.model_config.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab:
+            self._reject(
+                request_id, ids, "bad_params", f"logprobs={params.logprobs} > vocab size {vocab}"
+            )
+            return
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seqs: list[Sequence] = []
         for i in range(params.n):

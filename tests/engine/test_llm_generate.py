@@ -140,6 +140,11 @@ def test_invalid_requests_fail_alone(model_path, prompts, reference):
         (prompts[0], {"max_tokens": -3}, "bad_params"),
         (prompts[0], {"temprature": 0.5}, "bad_params"),
     ]
+    # k above the vocabulary would fail the sampler's top-k for the whole batch; SamplingParams
+    # caps k below any real vocabulary, so force one past this tiny model's 512 here.
+    too_many = SamplingParams(max_tokens=4)
+    object.__setattr__(too_many, "logprobs", 600)
+    bad.append((prompts[0], too_many, "bad_params"))
     batch = [prompts[1]] + [b[0] for b in bad] + [prompts[2]]
     params = [GREEDY] + [b[1] for b in bad] + [GREEDY]
     outs = llm.generate(batch, params, use_tqdm=False)
@@ -147,6 +152,7 @@ def test_invalid_requests_fail_alone(model_path, prompts, reference):
     for out, (_, _, code) in zip(outs[1:-1], bad):
         assert out.finish_reason == "error" and out.error_code == code and out.error
     assert "max_tokens" in outs[4].error and "temprature" in outs[5].error
+    assert "logprobs=600 > vocab size 512" in outs[6].error
     assert "max_model_len=256" in outs[2].error
 
 
