@@ -31,19 +31,25 @@ def resolve_inputs(path: str) -> list[str]:
     and globs. Files are processed in sorted path order.
     """
     if os.path.isdir(path):
-        files = [
+        found = [
             os.path.join(path, f)
             for f in os.listdir(path)
             if os.path.splitext(f)[1] in _EXTS and not f.startswith((".", "_"))
         ]
     elif os.path.isfile(path):
-        files = [path]
+        found = [path]
     else:
-        files = [
+        found = [
             f
             for f in glob.glob(path, recursive=True)
-            if os.path.isfile(f) and not os.path.basename(f).startswith((".", "_"))
+            if not os.path.basename(f).startswith((".", "_"))
         ]
+    # Only regular files (symlinks followed): a subdirectory named like an input is skipped;
+    # a symlink to nothing is an error, since the data it stood for would be silently missing.
+    for f in found:
+        if os.path.islink(f) and not os.path.exists(f):
+            raise JobError(f"input.path: {f} is a symlink to a missing file")
+    files = [f for f in found if os.path.isfile(f)]
     if not files:
         raise JobError(f"input.path: {path!r} matches no input files")
     return sorted(files)

@@ -30,6 +30,17 @@ def test_resolve_file_dir_glob(tmp_path):
         resolve_inputs(d + "/*.csv")
 
 
+def test_resolve_skips_directories_and_refuses_dangling_links(tmp_path):
+    write_jsonl(tmp_path / "d/b.jsonl", rows(1))
+    (tmp_path / "d/nested.jsonl").mkdir()
+    d = str(tmp_path / "d")
+    assert resolve_inputs(d) == [d + "/b.jsonl"]
+    assert resolve_inputs(d + "/*.jsonl") == [d + "/b.jsonl"]
+    (tmp_path / "d/gone.jsonl").symlink_to(tmp_path / "nowhere.jsonl")
+    with pytest.raises(JobError, match="gone.jsonl is a symlink to a missing file"):
+        resolve_inputs(d)
+
+
 def test_jsonl_line_errors(tmp_path):
     p = tmp_path / "in.jsonl"
     p.write_bytes(
