@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
-import re
 from collections.abc import Iterator
 from typing import Any
 
 import polars as pl
 
+from batchgen.io.json_line import BOM, NotText, loads
 from batchgen.io.rows import InputRow
 from batchgen.job import InputSpec, JobError
-
-BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, accepted at the start of a file
-# A JSON escape of a UTF-16 surrogate: only lines holding one can decode to a lone surrogate.
-_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
 
 OPENAI_KEY = "__openai__"  # data key holding an OpenAI batch line's {url, body}
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
@@ -76,43 +71,13 @@ def _first_object(path: str, limit: int = 100) -> dict | None:
     return None
 
 
-def _loads(raw: bytes):
-    """json.loads that raises ValueError for everything a bad line can do: invalid JSON, nesting
-    too deep for the parser (RecursionError), and lone surrogate escapes ("\\ud800"), which
-    decode but are no text (they cannot be encoded, tokenized or written)."""
-    try:
-        obj = json.loads(raw)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
-    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(obj):
-        raise ValueError("a string holds a lone surrogate escape (\\ud800-\\udfff): not text")
-    return obj
-
-
-def _has_lone_surrogate(obj) -> bool:
-    stack = [obj]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                return True
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
-
-
 def _sample_objects(path: str, limit: int) -> Iterator[dict]:
     with open(path, "rb") as f:
         for i, line in enumerate(f):
             if i >= limit:
                 return
             try:
-                obj = _loads(line.removeprefix(BOM) if i == 0 else line)
+                obj = loads(line.removeprefix(BOM) if i == 0 else line)
             except ValueError:
                 continue
             if isinstance(obj, dict):
@@ -219,7 +184,9 @@ class Reader:
         except UnicodeDecodeError as e:
             return self._bad(source, "invalid_utf8", f"line is not valid UTF-8 ({e.reason})")
         try:
-            obj = _loads(raw)
+            obj = loads(raw)
+        except NotText as e:
+            return self._bad(source, "bad_json", f"line is JSON but not text: {e}")
         except ValueError as e:
             return self._bad(source, "bad_json", f"line is not valid JSON ({e})")
         if not isinstance(obj, dict):

@@ -79,6 +79,8 @@ def test_lines_that_would_crash_later_are_bad_json(tmp_path):
         None,
     ]
     assert "lone surrogate" in got[1].error and got[1].error.startswith(f"{p}:2: ")
+    assert "key 'text'" in got[1].error and "key 'id'" in got[2].error
+    assert "key 'meta.k[0]'" in got[3].error
     assert "nested too deeply" in got[5].error
     assert got[4].data["text"] == "pair \U0001f600"
     # The column sampling (format detection, check_columns) skips them too.
