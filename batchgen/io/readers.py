@@ -13,6 +13,7 @@ import polars as pl
 from batchgen.io.json_line import BOM, NotText, loads
 from batchgen.io.rows import InputRow
 from batchgen.job import InputSpec, JobError
+from batchgen.short_repr import short_repr
 
 OPENAI_KEY = "__openai__"  # data key holding an OpenAI batch line's {url, body}
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
@@ -71,6 +72,21 @@ def _first_object(path: str, limit: int = 100) -> dict | None:
     return None
 
 
+def id_text(value: Any) -> str | None:
+    """A row id as text: a string as is, an integer in decimal (so 7 and "7" are one id); None
+    for any other value (bool, float, list, object), which has no one obvious text."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return None
+
+
+def _bad_id_message(key: str, value: Any) -> str:
+    kind = type(value).__name__
+    return f"id {key!r} must be a string or an integer, got {kind} {short_repr(value)}"
+
+
 def _sample_objects(path: str, limit: int) -> Iterator[dict]:
     with open(path, "rb") as f:
         for i, line in enumerate(f):
@@ -87,17 +103,20 @@ def _sample_objects(path: str, limit: int) -> Iterator[dict]:
 def check_columns(files: list[str], spec: InputSpec, needed: list[str]) -> None:
     """Refuse a job whose columns are absent from the input, before any model loads.
 
-    Parquet files are checked against their schema; JSONL files against the keys of their first
-    100 readable rows (a single row missing a column later is a row error, not a job error).
+    Parquet files are checked against their schema (and their id column must hold strings or
+    integers); JSONL files against the keys of their first 100 readable rows (a single row
+    missing a column later is a row error, not a job error).
     """
     for path in files:
         fmt = file_format(path, spec.format)
         if fmt == "parquet":
             try:
-                names = set(pl.read_parquet_schema(path))
+                schema = pl.read_parquet_schema(path)
             except Exception as e:
                 raise JobError(f"input.path: {path} is not readable Parquet ({e})") from None
+            names = set(schema)
             want = [spec.id_column, *needed]
+            _check_id_dtype(path, spec.id_column, schema.get(spec.id_column))
         elif fmt == "jsonl":
             names = set()
             for obj in _sample_objects(path, 100):
@@ -113,6 +132,16 @@ def check_columns(files: list[str], spec: InputSpec, needed: list[str]) -> None:
                 f"input: column(s) {', '.join(map(repr, missing))} used by the job are not in "
                 f"{path} (its columns: {', '.join(sorted(names))})"
             )
+
+
+def _check_id_dtype(path: str, column: str, dtype) -> None:
+    # Every row of a column of another type would be a bad_id row: refuse the job instead.
+    ok = dtype is None or dtype == pl.Null or dtype.is_integer()
+    if not ok and not isinstance(dtype, (pl.String, pl.Categorical, pl.Enum)):
+        raise JobError(
+            f"input: id column {column!r} in {path} is {dtype}; ids must be strings or "
+            "integers (cast the column, or pick another id column)"
+        )
 
 
 class Reader:
@@ -201,24 +230,31 @@ class Reader:
         )
 
     def _make_row(self, rec: dict[str, Any], source: str) -> InputRow:
-        raw_id = rec.get(self.spec.id_column)
+        key = self.spec.id_column
+        raw_id = rec.get(key)
         if raw_id is None or raw_id == "":
-            return self._bad(source, "missing_id", f"no {self.spec.id_column!r} value")
+            return self._bad(source, "missing_id", f"no {key!r} value")
+        row_id = id_text(raw_id)
+        if row_id is None:
+            return self._bad(source, "bad_id", _bad_id_message(key, raw_id))
         data = {c: rec[c] for c in self.columns if c in rec}
-        return self._new_row(id=str(raw_id), data=data, source=source)
+        return self._new_row(id=row_id, data=data, source=source)
 
     def _openai_row(self, obj: dict[str, Any], source: str) -> InputRow:
         custom_id = obj.get("custom_id")
         if custom_id is None or custom_id == "":
             return self._bad(source, "missing_id", "no 'custom_id' value")
+        row_id = id_text(custom_id)
+        if row_id is None:
+            return self._bad(source, "bad_id", _bad_id_message("custom_id", custom_id))
         url, body = obj.get("url"), obj.get("body")
         if url not in OPENAI_URLS or not isinstance(body, dict):
             return self._bad(
                 source,
                 "bad_params",
                 f"url must be one of {', '.join(OPENAI_URLS)} and body an object (got {url!r})",
-                row_id=str(custom_id),
+                row_id=row_id,
             )
         data = {c: obj[c] for c in self.columns if c in obj}
         data[OPENAI_KEY] = {"url": url, "body": body}
-        return self._new_row(id=str(custom_id), data=data, source=source)
+        return self._new_row(id=row_id, data=data, source=source)

@@ -8,6 +8,7 @@ import pytest
 from workspace import rows, write_jsonl, write_parquet
 
 from batchgen.io.readers import Reader, check_columns, file_format, resolve_inputs
+from batchgen.io.score_reader import GroupReader
 from batchgen.job import InputSpec, JobError
 
 
@@ -123,3 +124,58 @@ def test_check_columns(tmp_path):
     j.write_text(json.dumps({"id": 1, "text": "a"}) + "\n")
     with pytest.raises(JobError, match="'topic'"):
         check_columns([str(j)], InputSpec(path="x"), ["text", "topic"])
+
+
+def test_ids_are_strings_or_integers(tmp_path):
+    # An integer id is its decimal text (so 7 and "7" are one id); anything else has no one
+    # obvious text (str() gave "True", "{'a': 1}") and is that row's bad_id error record.
+    p = tmp_path / "in.jsonl"
+    p.write_text(
+        '{"id": 7, "text": "a"}\n{"id": "7", "text": "b"}\n{"id": true, "text": "c"}\n'
+        '{"id": 1.5, "text": "d"}\n{"id": [1, 2], "text": "e"}\n{"id": {"a": 1}, "text": "f"}\n'
+        '{"id": -3, "text": "g"}\n'
+    )
+    got = read_all([str(p)])
+    assert [(r.id, r.error_code) for r in got] == [
+        ("7", None),
+        ("7", "duplicate_id"),
+        (None, "bad_id"),
+        (None, "bad_id"),
+        (None, "bad_id"),
+        (None, "bad_id"),
+        ("-3", None),
+    ]
+    assert got[2].error == f"{p}:3: id 'id' must be a string or an integer, got bool True"
+    assert "got dict {'a': 1}" in got[5].error
+    # Score mode's group ids follow the same rule.
+    q = write_jsonl(tmp_path / "g.jsonl", [{"g": 1, "t": "x"}, {"g": "1", "t": "y"}, {"g": 1.0}])
+    units = [u for c in GroupReader([str(q)], InputSpec(path="x"), ["t"], "g") for u in c]
+    assert [(u.id, u.error_code, len(u.data["__members__"]) if u.data else 0) for u in units] == [
+        ("1", None, 2),
+        (None, "bad_id", 0),
+    ]
+    assert "id 'g' must be a string or an integer, got float 1.0" in units[1].error
+
+
+def test_openai_custom_id_rule(tmp_path):
+    body = {"url": "/v1/completions", "body": {"prompt": "hi"}}
+    lines = [{"custom_id": c, **body} for c in ("x", 12, False, ["x"])]
+    p = write_jsonl(tmp_path / "b.jsonl", lines)
+    got = read_all([str(p)], spec=InputSpec(path="x", format="openai-batch"), columns=())
+    assert [(r.id, r.error_code) for r in got] == [
+        ("x", None),
+        ("12", None),
+        (None, "bad_id"),
+        (None, "bad_id"),
+    ]
+    assert "id 'custom_id' must be a string or an integer, got list ['x']" in got[3].error
+
+
+def test_parquet_id_column_types(tmp_path):
+    ints = write_parquet(tmp_path / "ints.parquet", [{"id": i, "text": "t"} for i in range(3)])
+    check_columns([str(ints)], InputSpec(path="x"), ["text"])
+    assert [r.id for r in read_all([str(ints)])] == ["0", "1", "2"]
+    for name, values in [("floats", [1.0, 2.0]), ("bools", [True, False]), ("lists", [[1], [2]])]:
+        f = write_parquet(tmp_path / f"{name}.parquet", [{"id": v, "text": "t"} for v in values])
+        with pytest.raises(JobError, match=rf"id column 'id' in .*{name}.parquet is .*; ids must"):
+            check_columns([str(f)], InputSpec(path="x"), ["text"])
