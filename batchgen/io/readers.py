@@ -11,6 +11,7 @@ from typing import Any
 import polars as pl
 
 from batchgen.io.json_line import BOM, NotText, loads
+from batchgen.io.parquet_chunks import Piece, read_chunks
 from batchgen.io.rows import InputRow
 from batchgen.job import InputSpec, JobError
 from batchgen.short_repr import short_repr
@@ -181,16 +182,22 @@ class Reader:
         return row
 
     def _parquet(self, path: str) -> Iterator[list[InputRow]]:
-        lf = pl.scan_parquet(path)
-        names = set(lf.collect_schema().names())
-        cols = [self.spec.id_column] + [c for c in self.columns if c in names]
-        total = lf.select(pl.len()).collect().item()
-        for start in range(0, total, self.chunk_rows):
-            df = lf.select(cols).slice(start, self.chunk_rows).collect()
+        for pieces in read_chunks(path, self.spec.id_column, self.columns, self.chunk_rows):
             rows = []
-            for i, rec in enumerate(df.iter_rows(named=True)):
-                rows.append(self._make_row(rec, f"{path}:row {start + i}"))
+            for piece in pieces:
+                for i in range(piece.num_rows):
+                    source = f"{path}:row {piece.start + i}"
+                    if piece.records is not None:
+                        rows.append(self._make_row(piece.records[i], source))
+                    else:
+                        rows.append(self._undecodable(piece, i, source))
             yield rows
+
+    def _undecodable(self, piece: Piece, i: int, source: str) -> InputRow:
+        first, last = piece.damaged or (piece.start, piece.start + piece.num_rows - 1)
+        message = f"rows {first}-{last} of this file cannot be decoded ({piece.error})"
+        row_id = id_text(piece.ids[i]) if piece.ids is not None else None
+        return self._bad(source, "bad_parquet", message, row_id=row_id or None)
 
     def _jsonl(self, path: str, fmt: str) -> Iterator[list[InputRow]]:
         rows: list[InputRow] = []

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
-from workspace import rows, write_jsonl, write_parquet
+from workspace import corrupt_column_chunk, rows, write_jsonl, write_parquet, write_row_groups
 
 from batchgen.io.readers import Reader, check_columns, file_format, resolve_inputs
 from batchgen.io.score_reader import GroupReader
@@ -179,3 +182,33 @@ def test_parquet_id_column_types(tmp_path):
         f = write_parquet(tmp_path / f"{name}.parquet", [{"id": v, "text": "t"} for v in values])
         with pytest.raises(JobError, match=rf"id column 'id' in .*{name}.parquet is .*; ids must"):
             check_columns([str(f)], InputSpec(path="x"), ["text"])
+
+
+def test_parquet_undecodable_row_groups_are_error_records(tmp_path):
+    # A corrupt page spoils its row group only: those rows are bad_parquet records (with their
+    # ids when the id column still decodes), every other row is read, chunk sizes hold.
+    p = write_row_groups(tmp_path / "in.parquet", 50, 10)
+    corrupt_column_chunk(p, 2, 1)  # text of rows 20-29
+    corrupt_column_chunk(p, 4, 0)  # ids of rows 40-49
+    check_columns([str(p)], InputSpec(path="x"), ["text"])  # the footer is fine
+    got = read_all([str(p)])
+    assert [r.index for r in got] == list(range(50))
+    bad = [i for i, r in enumerate(got) if r.error_code == "bad_parquet"]
+    assert bad == [*range(20, 30), *range(40, 50)]
+    assert all(r.error_code is None and r.data["text"] for r in got if r.index not in bad)
+    assert [got[i].id for i in (19, 20, 29, 30, 40)] == ["r19", "r20", "r29", "r30", None]
+    assert got[25].error.startswith(f"{p}:row 25: rows 20-29 of this file cannot be decoded (")
+    assert "rows 40-49" in got[40].error
+
+
+def test_parquet_invalid_utf8_is_an_error_record_not_a_surrogate(tmp_path):
+    # polars validates UTF-8 (a surrogate's bytes are invalid), so no lone surrogate reaches
+    # Python from Parquet; the undecodable row group is bad_parquet.
+    raw = pa.array([b"ok", b"bad \xed\xa0\x80"], pa.binary())
+    text = pa.Array.from_buffers(pa.string(), 2, raw.buffers())
+    p = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "text": text}), p)
+    got = read_all([str(p)])
+    assert [(r.id, r.error_code) for r in got] == [("a", "bad_parquet"), ("b", "bad_parquet")]
+    assert "UTF-8" in got[0].error
+    assert pl.read_parquet_schema(p)["text"] == pl.String

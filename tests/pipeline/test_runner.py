@@ -9,12 +9,23 @@ import signal
 import polars as pl
 import pytest
 from fake_engine import FakeEngine, FakeTokenizer, fake_text
-from workspace import TEMPLATE, load, make_job, read_output, rows, write_jsonl, write_parquet
+from workspace import (
+    TEMPLATE,
+    corrupt_column_chunk,
+    load,
+    make_job,
+    read_output,
+    rows,
+    write_jsonl,
+    write_parquet,
+    write_row_groups,
+)
 
 from batchgen.job import JobError
 from batchgen.pipeline.runner import Runner
 from batchgen.pipeline.sharding import ShardSelector
 from batchgen.pipeline.signals import StopFlag
+from batchgen.pipeline.validate import validate
 from batchgen.planner import row_seed
 
 
@@ -92,6 +103,20 @@ def test_malformed_input_rows_become_error_records(tmp_path):
     assert "in.jsonl:4" in errors["error"][0]
     ok = df.filter(pl.col("error_code").is_null())
     assert ok.height == 14 and ok["text"].null_count() == 0
+
+
+def test_corrupt_parquet_row_group_is_error_records_not_a_crash(tmp_path):
+    p = write_row_groups(tmp_path / "in.parquet", 30, 10)
+    corrupt_column_chunk(p, 1, 1)  # the text of rows 10-19
+    job = load(make_job(tmp_path, "in.parquet", input={"columns": []}))
+    report = validate(job, tokenizer_factory=lambda j: FakeTokenizer(), max_len_fn=lambda j: 256)
+    assert (report.rows, report.ok, dict(report.errors)) == (30, 20, {"bad_parquet": 10})
+    result = run(job)
+    assert result.exit_code == 0 and result.complete and result.totals["errors"] == 10
+    df = read_output("out")
+    assert df["id"].to_list() == [f"r{i}" for i in range(30)]
+    assert df["error_code"].to_list() == [None] * 10 + ["bad_parquet"] * 10 + [None] * 10
+    assert "in.parquet:row 10: rows 10-19 of this file cannot be decoded" in df["error"][10]
 
 
 def test_two_shard_tasks_are_disjoint_and_cover_the_input(tmp_path):

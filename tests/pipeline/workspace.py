@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 
 import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 import yaml
 
 from batchgen.job import load_job
@@ -34,6 +36,25 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 def write_parquet(path: Path, records: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     pl.DataFrame(records).write_parquet(path)
+    return path
+
+
+def corrupt_column_chunk(path, row_group: int, column: int) -> None:
+    """Overwrite the tail of one column chunk's data page (footer left intact)."""
+    meta = pq.ParquetFile(path).metadata.row_group(row_group).column(column)
+    start, size = meta.data_page_offset, meta.total_compressed_size
+    data = bytearray(path.read_bytes())
+    data[start + size // 2 : start + size - 2] = b"\xff" * (size - 2 - size // 2)
+    path.write_bytes(bytes(data))
+
+
+def write_row_groups(path, n: int, row_group_size: int):
+    table = pa.table(
+        {"id": [f"r{i}" for i in range(n)], "text": [f"text {i} " * 3 for i in range(n)]}
+    )
+    pq.write_table(
+        table, path, row_group_size=row_group_size, use_dictionary=False, compression="zstd"
+    )
     return path
 
 
