@@ -7,17 +7,22 @@ import re
 
 BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, accepted at the start of a file
 # A JSON escape of a UTF-16 surrogate: only lines holding one can decode to a lone surrogate.
-_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
+_SURROGATE_ESCAPE = re.compile(r"\\[uU][dD][89a-fA-F]")
 
 
 class NotText(ValueError):
     """A JSON line that parses but holds a string that is no text (a lone surrogate)."""
 
 
-def loads(raw: bytes):
-    """json.loads that raises ValueError for everything a bad line can do: invalid JSON, nesting
-    too deep for the parser (RecursionError), and (NotText) lone surrogate escapes ("\\ud800"),
-    which decode but are no text (they cannot be encoded, tokenized or written)."""
+def loads(line: str | bytes):
+    """json.loads that raises ValueError for everything a bad line can do: bytes that are not
+    UTF-8 (UnicodeDecodeError), invalid JSON (a BOM included: json.loads would take one at the
+    start of any bytes line; callers strip the file's own), nesting too deep for the parser
+    (RecursionError), and (NotText) lone surrogate escapes ("\\ud800"), which decode but are no
+    text (they cannot be encoded, tokenized or written)."""
+    # Decoded here, strictly: json.loads(bytes) decodes with "surrogatepass", letting the
+    # UTF-8 bytes of a surrogate through as one.
+    raw = line.decode("utf-8") if isinstance(line, bytes) else line
     try:
         obj = json.loads(raw)
     except RecursionError:

@@ -216,11 +216,11 @@ class Reader:
 
     def _parse_line(self, raw: bytes, source: str, fmt: str) -> InputRow:
         try:
-            raw.decode("utf-8")
+            text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             return self._bad(source, "invalid_utf8", f"line is not valid UTF-8 ({e.reason})")
         try:
-            obj = loads(raw)
+            obj = loads(text)
         except NotText as e:
             return self._bad(source, "bad_json", f"line is JSON but not text: {e}")
         except ValueError as e:

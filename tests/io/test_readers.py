@@ -43,6 +43,10 @@ def test_resolve_skips_directories_and_refuses_dangling_links(tmp_path):
     (tmp_path / "d/gone.jsonl").symlink_to(tmp_path / "nowhere.jsonl")
     with pytest.raises(JobError, match="gone.jsonl is a symlink to a missing file"):
         resolve_inputs(d)
+    with pytest.raises(JobError, match="gone.jsonl is a symlink to a missing file"):
+        resolve_inputs(d + "/gone.jsonl")
+    (tmp_path / "d/link.jsonl").symlink_to(tmp_path / "d/b.jsonl")
+    assert resolve_inputs(d + "/[bl]*.jsonl") == [d + "/b.jsonl", d + "/link.jsonl"]
 
 
 def test_jsonl_line_errors(tmp_path):
@@ -87,15 +91,24 @@ def test_lines_that_would_crash_later_are_bad_json(tmp_path):
     assert "key 'meta.k[0]'" in got[3].error
     assert "nested too deeply" in got[5].error
     assert got[4].data["text"] == "pair \U0001f600"
-    # The column sampling (format detection, check_columns) skips them too.
+    # The column sampling (format detection, check_columns) skips them too, and lines whose
+    # bytes are not UTF-8 (json.loads(bytes) would let a surrogate's own bytes through).
     check_columns([str(p)], InputSpec(path=str(p)), ["text"])
+    q = tmp_path / "keys.jsonl"
+    q.write_bytes(b'{"id": "a", "text": "x"}\n{"id": "b", "t\xed\xa0\x80": "y"}\n')
+    with pytest.raises(JobError, match=r"\(its columns: id, text\)$"):
+        check_columns([str(q)], InputSpec(path=str(q)), ["topic"])
 
 
 def test_utf8_bom_at_the_start_of_a_file(tmp_path):
     p = tmp_path / "in.jsonl"
-    p.write_bytes(b'\xef\xbb\xbf{"id": "a", "text": "x"}\n{"id": "b", "text": "y"}\n')
+    p.write_bytes(
+        b'\xef\xbb\xbf{"id": "a", "text": "x"}\n{"id": "b", "text": "y"}\n'
+        b'\xef\xbb\xbf{"id": "c", "text": "z"}\n'
+    )
     got = read_all([str(p)])
-    assert [(r.id, r.error_code) for r in got] == [("a", None), ("b", None)]
+    # Only at the start of the file: elsewhere a BOM is stray bytes in the line.
+    assert [(r.id, r.error_code) for r in got] == [("a", None), ("b", None), (None, "bad_json")]
     assert file_format(str(p), "auto") == "jsonl"
 
 
