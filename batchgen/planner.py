@@ -8,10 +8,10 @@ a group (so long prefills start early and short ones fill the gaps).
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
+from batchgen.io.json_line import loads
 from batchgen.io.readers import OPENAI_KEY
 from batchgen.io.rows import InputRow, ResultRow
 from batchgen.outputs import RequestOutput
@@ -175,7 +175,7 @@ class Planner:
             return {}
         if isinstance(value, str):
             try:
-                value = json.loads(value)
+                value = loads(value)  # ValueError also for deep nesting, lone surrogates
             except ValueError as e:
                 raise PromptError(
                     "bad_params", f"{self.overrides_column}: not JSON ({e})"

@@ -61,12 +61,15 @@ def test_overrides_column_and_multi():
             row(1, "b", o='{"top_p": 2}'),
             row(2, "c", o={"n": 2}),
             row(3, "d", o="not json"),
+            row(4, "e", o="[" * 100000),  # RecursionError in json.loads
+            row(5, "f", o='{"stop": ["\\ud800"]}'),  # a lone surrogate: no text
         ]
     )
     assert plan.requests[0].params.max_tokens == 2 and plan.requests[0].params.seed == 9
     msgs = {e.index: e.error for e in plan.errors}
-    assert set(msgs) == {1, 2, 3}
+    assert set(msgs) == {1, 2, 3, 4, 5}
     assert "top_p" in msgs[1] and "sampling.n > 1" in msgs[2] and "not JSON" in msgs[3]
+    assert "nested too deeply" in msgs[4] and "key 'stop[0]' holds a lone surrogate" in msgs[5]
     assert all(e.error_code == "bad_params" for e in plan.errors)
 
 
