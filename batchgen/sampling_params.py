@@ -9,6 +9,10 @@ from batchgen.short_repr import short_repr
 
 # Most top log-probs a request may ask for per token (the engine also caps it at the vocab).
 MAX_LOGPROBS = 100
+# Range of temperature (besides 0) and repetition_penalty. The logits are divided or multiplied
+# by them in float32, where 1e-300 rounds to 0 and 1e300 to inf: inf or NaN logits, and a
+# garbage token that looks like a normal output. Nothing useful lies outside.
+MIN_SCALE, MAX_SCALE = 1e-6, 1e6
 
 
 class SamplingParamsError(ValueError):
@@ -56,16 +60,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience, store tuples so the object stays hashable.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif self.stop is None:
-            object.__setattr__(self, "stop", ())
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if self.stop_token_ids is None:
-            object.__setattr__(self, "stop_token_ids", ())
-        else:
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        stop = _as_tuple("stop", self.stop, "a string or a list of strings")
+        stop_token_ids = _as_tuple("stop_token_ids", self.stop_token_ids, "a list of token ids")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", stop_token_ids)
         self._validate()
 
     def _validate(self) -> None:
@@ -86,16 +84,20 @@ class SamplingParams:
             bad("min_tokens", "must be an integer >= 0")
         if self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
-        if not is_num(self.temperature) or self.temperature < 0:
-            bad("temperature", "must be a number >= 0 (0 = greedy)")
+        if not is_num(self.temperature) or (
+            self.temperature != 0 and not MIN_SCALE <= self.temperature <= MAX_SCALE
+        ):
+            bad("temperature", f"must be 0 (greedy) or a number in [{MIN_SCALE:g}, {MAX_SCALE:g}]")
         if not is_int(self.top_k) or self.top_k < -1:
             bad("top_k", "must be an integer >= -1 (0 or -1 = off)")
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
-        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0 (1.0 = off)")
+        if not is_num(self.repetition_penalty) or not (
+            MIN_SCALE <= self.repetition_penalty <= MAX_SCALE
+        ):
+            bad("repetition_penalty", f"must be in [{MIN_SCALE:g}, {MAX_SCALE:g}] (1.0 = off)")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not is_num(v) or not -2 <= v <= 2:
@@ -125,3 +127,18 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or bool(
             self.presence_penalty or self.frequency_penalty
         )
+
+
+def _as_tuple(name: str, value: object, expected: str) -> tuple:
+    """stop / stop_token_ids as a tuple: None is empty, a lone string is one stop string; the
+    items themselves are checked by _validate."""
+    if value is None:
+        return ()
+    if isinstance(value, str) and name == "stop":
+        return (value,)
+    if not isinstance(value, (str, bytes, dict)):
+        try:
+            return tuple(value)
+        except TypeError:
+            pass
+    raise SamplingParamsError(f"SamplingParams.{name}={short_repr(value)}: must be {expected}")

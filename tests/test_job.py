@@ -63,7 +63,7 @@ def test_wrong_types(tmp_path):
 
 
 def test_bad_values(tmp_path):
-    with pytest.raises(JobError, match=r"sampling\.temperature=-1\.0: must be a number >= 0"):
+    with pytest.raises(JobError, match=r"sampling\.temperature=-1\.0: must be 0 \(greedy\) or"):
         job_from(tmp_path, BASE, "sampling.temperature=-1")
     with pytest.raises(JobError, match=r"model\.block_size=12: must be a power of two"):
         job_from(tmp_path, BASE, "model.block_size=12")
@@ -185,3 +185,30 @@ def test_alias_bomb_gives_a_short_error(tmp_path):
 def test_nan_temperature_in_a_job_is_refused(tmp_path):
     with pytest.raises(JobError, match="temperature"):
         job_from(tmp_path, BASE, "sampling.temperature=.nan")
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ],
+)
+def test_non_finite_sampling_numbers_are_refused(tmp_path, key, value):
+    with pytest.raises(JobError, match=rf"^sampling\.{key}=(nan|-?inf): must be"):
+        job_from(tmp_path, BASE, f"sampling.{key}={value}")
+
+
+def test_logprobs_past_the_cap_is_refused(tmp_path):
+    with pytest.raises(
+        JobError, match=r"^sampling\.logprobs=100000: must be None or an integer in"
+    ):
+        job_from(tmp_path, BASE, "sampling.logprobs=100000")
+    assert (
+        job_from(tmp_path, BASE, "sampling.logprobs=100").sampling.base_params()["logprobs"] == 100
+    )

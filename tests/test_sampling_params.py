@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import fields
+
 import pytest
 
-from batchgen.sampling_params import SamplingParams, SamplingParamsError
+from batchgen.sampling_params import MAX_SCALE, MIN_SCALE, SamplingParams, SamplingParamsError
 
 
 @pytest.mark.parametrize(
@@ -32,6 +35,14 @@ from batchgen.sampling_params import SamplingParams, SamplingParamsError
         ({"repetition_penalty": float("inf")}, "repetition_penalty"),
         ({"presence_penalty": float("nan")}, "presence_penalty"),
         ({"frequency_penalty": float("-inf")}, "frequency_penalty"),
+        # Finite, but 0 or inf once in float32 (the logits are divided by them): inf/NaN logits.
+        ({"temperature": 1e-300}, "temperature"),
+        ({"temperature": 1e300}, "temperature"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+        ({"repetition_penalty": 1e300}, "repetition_penalty"),
+        ({"stop": 5}, "stop"),
+        ({"stop": {"a": 1}}, "stop"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
         ({"ignore_eos": "yes"}, "ignore_eos"),
     ],
 )
@@ -54,3 +65,18 @@ def test_error_quotes_a_huge_value_briefly():
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(stop=value)
     assert len(str(e.value)) < 400 and "SamplingParams.stop=" in str(e.value)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_every_float_field_refuses_non_finite_values(value):
+    names = [f.name for f in fields(SamplingParams) if "float" in str(f.type)]
+    assert {"temperature", "top_p", "min_p", "repetition_penalty"} <= set(names)
+    for name in names:
+        with pytest.raises(SamplingParamsError, match=rf"SamplingParams\.{name}=(nan|-?inf):"):
+            SamplingParams(**{name: value})
+
+
+def test_scale_range_edges_are_accepted():
+    for value in (MIN_SCALE, MAX_SCALE):
+        assert SamplingParams(temperature=value, repetition_penalty=value)
+    assert SamplingParams(temperature=0).greedy

@@ -117,11 +117,18 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             self._reject(request_id, ids, "bad_params", "stop strings need a tokenizer")
             return
+        # Sizes the sampler indexes the [N, V] logits with: past the vocabulary they would fail
+        # the whole batch's step, so they fail this request alone.
         vocab = self.model_config.vocab_size
         if params.logprobs is not None and params.logprobs > vocab:
             self._reject(
                 request_id, ids, "bad_params", f"logprobs={params.logprobs} > vocab size {vocab}"
             )
+            return
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            message = f"stop_token_ids: {outside[0]} is not a token id (vocab size {vocab})"
+            self._reject(request_id, ids, "bad_params", message)
             return
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seqs: list[Sequence] = []

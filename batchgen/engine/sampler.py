@@ -71,7 +71,12 @@ class Sampler:
         if any(p.logprobs is not None for p in batch.params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [N, V], before any processing
         logits = self._apply_penalties(logits, batch)
-        suppress = [(row, t) for row, ids in enumerate(batch.suppress_ids) for t in ids]
+        # The engine refuses stop ids past the vocabulary; skipping them here keeps one row's
+        # bad id from failing the batch's indexing whatever the caller.
+        vocab = logits.shape[1]
+        suppress = [
+            (row, t) for row, ids in enumerate(batch.suppress_ids) for t in ids if 0 <= t < vocab
+        ]
         if suppress:
             idx = self.stage(suppress, torch.int64, device)  # [S, 2] (row, token id)
             logits[idx[:, 0], idx[:, 1]] = float("-inf")
@@ -171,7 +176,7 @@ def _top_k_top_p(
     """Mask everything outside each row's top-k and nucleus (top-p) set with -inf."""
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [M, V]
-    ks = stage([k if k > 0 else vocab for k in top_k], torch.int64, logits.device)
+    ks = stage([min(k, vocab) if k > 0 else vocab for k in top_k], torch.int64, logits.device)
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)  # [1, V]
     drop = ranks >= ks.unsqueeze(1)
     ps = stage(top_p, logits.dtype, logits.device).unsqueeze(1)
@@ -186,6 +191,9 @@ def _top_k_top_p(
 def gather_logprobs(
     logprobs: torch.Tensor, tokens: list[int], params: list[SamplingParams]
 ) -> list[dict[int, float]]:
+    """Per row, {token id: log-prob} of its top `p.logprobs` tokens (at most the vocabulary:
+    topk past it would fail the whole step) and of its sampled token; {} where not asked."""
+    vocab = logprobs.shape[1]
     out: list[dict[int, float]] = []
     for row, (token, p) in enumerate(zip(tokens, params)):
         if p.logprobs is None:
@@ -193,7 +201,7 @@ def gather_logprobs(
             continue
         entry: dict[int, float] = {}
         if p.logprobs > 0:
-            values, ids = logprobs[row].topk(p.logprobs)
+            values, ids = logprobs[row].topk(min(p.logprobs, vocab))
             entry.update(zip(ids.tolist(), values.tolist()))
         entry[token] = float(logprobs[row, token])
         out.append(entry)

@@ -145,6 +145,8 @@ def test_invalid_requests_fail_alone(model_path, prompts, reference):
     too_many = SamplingParams(max_tokens=4)
     object.__setattr__(too_many, "logprobs", 600)
     bad.append((prompts[0], too_many, "bad_params"))
+    # A stop id past the vocabulary, suppressed under min_tokens, would fail the batch's indexing.
+    bad.append((prompts[0], {"stop_token_ids": [10**9], "min_tokens": 2}, "bad_params"))
     batch = [prompts[1]] + [b[0] for b in bad] + [prompts[2]]
     params = [GREEDY] + [b[1] for b in bad] + [GREEDY]
     outs = llm.generate(batch, params, use_tqdm=False)
@@ -153,6 +155,7 @@ def test_invalid_requests_fail_alone(model_path, prompts, reference):
         assert out.finish_reason == "error" and out.error_code == code and out.error
     assert "max_tokens" in outs[4].error and "temprature" in outs[5].error
     assert "logprobs=600 > vocab size 512" in outs[6].error
+    assert "stop_token_ids: 1000000000 is not a token id (vocab size 512)" in outs[7].error
     assert "max_model_len=256" in outs[2].error
 
 

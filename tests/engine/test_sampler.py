@@ -84,3 +84,15 @@ def test_temperature_only_batches_take_the_fused_path_with_the_same_draws(monkey
     general, _ = Sampler().sample(logits.clone(), b)
     assert fused.tolist() == general.tolist()
     assert not Sampler._plain(batch([SamplingParams(temperature=0.5, top_k=5)]))
+
+
+def test_sizes_past_the_vocabulary_do_not_fail_the_batch():
+    # The engine refuses such requests (bad_params), but one reaching the sampler must still not
+    # index the [N, V] logits past V, which would fail every row of the step.
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2, 1)
+    many = SamplingParams(temperature=0.0)
+    object.__setattr__(many, "logprobs", 600)  # SamplingParams caps it at 100
+    wide = SamplingParams(temperature=1.0, top_k=2**70)  # past int64, not only past V
+    tokens, logprobs = Sampler()(logits, batch([many, wide], suppress=[[10**9, 2**70], []]))
+    assert tokens[0] == 0 and 0 <= tokens[1] < 4
+    assert sorted(logprobs[0]) == [0, 1, 2, 3] and logprobs[1] == {}
