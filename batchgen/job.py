@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from batchgen.config import ConfigError, EngineConfig
+from batchgen.job_yaml import JobYAMLError, load_yaml
 from batchgen.sampling_params import SamplingParams, SamplingParamsError
 from batchgen.short_repr import short_repr
 
@@ -116,16 +117,24 @@ def load_job(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (
 
 
 def parse_yaml(text: str, source: str) -> dict:
+    """Load a job document with batchgen.job_yaml's loader (safe_load values, no duplicate or
+    non-scalar keys, no alias bombs); every problem is a JobError naming the line."""
     try:
-        raw = yaml.safe_load(text)
+        raw = load_yaml(text)
+    except JobYAMLError as e:
+        raise JobError(f"{source} (line {e.line}): {e.message}") from None
     except yaml.constructor.ConstructorError as e:
         where = f" (line {e.problem_mark.line + 1})" if e.problem_mark else ""
+        if "could not determine a constructor" not in (e.problem or ""):
+            raise JobError(f"{source}{where}: invalid YAML: {e.problem}") from None
         raise JobError(
             f"{source}{where}: YAML tags such as {_tag_of(e)} are not allowed; job files hold "
             "plain values only (loaded with yaml.safe_load)"
         ) from None
     except yaml.YAMLError as e:
         raise JobError(f"{source}: invalid YAML: {e}") from None
+    except RecursionError:
+        raise JobError(f"{source}: YAML nested too deeply to be a job file") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -146,8 +155,10 @@ def apply_override(raw: dict, item: str) -> None:
     if not sep or not key.strip():
         raise JobError(f"--set {item!r}: expected KEY.PATH=VALUE, e.g. sampling.temperature=0.7")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
-    except yaml.YAMLError:
+        parsed = load_yaml(value) if value.strip() else ""
+    except JobYAMLError as e:
+        raise JobError(f"--set {item!r}: {e.message}") from None
+    except (yaml.YAMLError, RecursionError):
         parsed = value
     parts = key.strip().split(".")
     node = raw

@@ -212,3 +212,50 @@ def test_logprobs_past_the_cap_is_refused(tmp_path):
     assert (
         job_from(tmp_path, BASE, "sampling.logprobs=100").sampling.base_params()["logprobs"] == 100
     )
+
+
+def test_alias_bomb_is_refused_at_load_naming_the_key(tmp_path):
+    levels = ["&a [x, x, x, x, x, x, x, x, x]"]
+    for i, name in enumerate("bcde"):
+        levels.append(f"&{name} [" + ", ".join([f"*{'abcde'[i]}"] * 9) + "]")
+    text = BASE.replace(
+        "sampling: {max_tokens: 32, temperature: 0.0}",
+        "sampling: {stop: [" + ", ".join(levels) + "]}",
+    )
+    with pytest.raises(JobError, match=r"sampling\.stop\[4\]: YAML aliases \(\*name\) expand"):
+        job_from(tmp_path, text)
+    with pytest.raises(JobError, match=r"line 7\): extra\[0\]: an alias refers to a value"):
+        job_from(tmp_path, BASE + "extra: &r [*r]\n")
+
+
+def test_plain_aliases_and_merge_keys_still_load(tmp_path):
+    chat = (
+        "prompt:\n  chat:\n    - &sys {role: system, content: be brief}\n"
+        "    - {<<: *sys, role: user, content: '{text}'}\n"
+    )
+    text = BASE.replace('prompt: {template: "Summarize:\\n{text}\\nSummary:"}\n', chat)
+    job = job_from(tmp_path, text, "sampling.stop=[&s END, *s]")
+    assert [m.role for m in job.prompt.chat] == ["system", "user"]
+    assert job.sampling.base_params()["stop"] == ("END", "END")
+
+
+def test_duplicate_keys_are_refused_naming_key_and_lines(tmp_path):
+    with pytest.raises(
+        JobError, match=r"\(line 7\): key 'output' given twice in one mapping \(first on line 6\)"
+    ):
+        job_from(tmp_path, BASE + "output: {path: out/other}\n")
+    with pytest.raises(JobError, match=r"\(line 5\): key 'max_tokens' given twice"):
+        job_from(tmp_path, BASE.replace("temperature: 0.0", "max_tokens: 8"))
+    with pytest.raises(JobError, match=r"^--set .*: key 'a' given twice"):
+        job_from(tmp_path, BASE, "sampling.stop={a: 1, a: 2}")
+
+
+def test_complex_key_is_not_called_a_tag(tmp_path):
+    with pytest.raises(JobError, match=r"\(line 7\): a list used as a mapping key") as e:
+        job_from(tmp_path, BASE + "? [a, b]\n: 1\n")
+    assert "tag" not in str(e.value)
+
+
+def test_deeply_nested_yaml_is_a_job_error(tmp_path):
+    with pytest.raises(JobError, match="nested too deeply"):
+        job_from(tmp_path, BASE + "extra: " + "[" * 5000 + "]" * 5000 + "\n")
