@@ -341,7 +341,7 @@ def _sampling_spec(raw: dict) -> SamplingSpec:
 
 def _output_spec(raw: dict) -> OutputSpec:
     sec = _section(raw, "output", ["path", "shard_rows", "compression", "format"])
-    path = check_path("output.path", _get(sec, "output", "path", "str"))
+    path = check_path("output.path", _get(sec, "output", "path", "str"), output=True)
     shard_rows = _get(sec, "output", "shard_rows", "int", 10000)
     if shard_rows < 1:
         raise JobError(f"output.shard_rows: {shard_rows} must be >= 1")
@@ -360,21 +360,30 @@ def require_prompt(job: JobSpec, formats: list[str]) -> None:
             )
 
 
-def check_path(key: str, path: str) -> str:
-    """Refuse an empty path or a relative path whose `..` components escape the working dir.
+def check_path(key: str, path: str, output: bool = False) -> str:
+    """Refuse an empty path, a relative path whose `..` components escape the working dir, and
+    an output path with any `..` component at all.
 
     Relative paths are relative to the current working directory (not the job file's); an
-    absolute path is taken as given.
+    absolute path is taken as given. Output paths are written (and cleared by --overwrite), and
+    after a symlink `link/..` is the link target's parent, not `.`: no reading of the text can
+    tell where such a path lands, so `..` is refused there before any normalisation.
     """
     if not path.strip():
         raise JobError(f"{key}: must not be empty")
+    parts = Path(path).parts  # splits on separators only: `..` stays as written
     if not os.path.isabs(path):
         depth = 0
-        for part in Path(path).parts:
+        for part in parts:
             depth += -1 if part == ".." else (0 if part == "." else 1)
             if depth < 0:
                 raise JobError(
-                    f"{key}: {path!r} escapes the working directory through '..'; relative "
-                    "paths must stay inside it (use an absolute path to go elsewhere)"
+                    f"{key}: {short_repr(path)} escapes the working directory through '..'; "
+                    "relative paths must stay inside it (use an absolute path to go elsewhere)"
                 )
+    if output and ".." in parts:
+        raise JobError(
+            f"{key}: {short_repr(path)} has a '..' component; write the output path without "
+            "'..' (through a symlink it can land anywhere)"
+        )
     return path

@@ -100,12 +100,21 @@ def test_missing_required(tmp_path):
 def test_path_escaping_the_working_dir(tmp_path):
     with pytest.raises(
         JobError,
-        match=r"output\.path: '\.\./\.\./etc/out' escapes the working "
+        match=r"input\.path: '\.\./\.\./etc/in' escapes the working "
         r"directory",
     ):
-        job_from(tmp_path, BASE, "output.path=../../etc/out")
-    assert job_from(tmp_path, BASE, "output.path=out/a/../b").output.path == "out/a/../b"
+        job_from(tmp_path, BASE, "input.path=../../etc/in")
     assert job_from(tmp_path, BASE, "output.path=/tmp/abs").output.path == "/tmp/abs"
+    # Inputs are only read: a '..' that stays inside (as text) is fine there.
+    assert job_from(tmp_path, BASE, "input.path=examples/../x.jsonl").input.path.endswith("x.jsonl")
+
+
+@pytest.mark.parametrize("path", ["out/linkdir/../escaped", "out/a/../b", "/tmp/a/../b", "out/.."])
+def test_output_path_with_any_dotdot_is_refused(tmp_path, path):
+    # Behind a symlink `linkdir/..` is the link target's parent: out/linkdir/../escaped wrote to
+    # /tmp/escaped although the text stays inside the working directory.
+    with pytest.raises(JobError, match=r"^output\.path: .* has a '\.\.' component"):
+        job_from(tmp_path, BASE, f"output.path={path}")
 
 
 def test_python_tags_refused(tmp_path):
