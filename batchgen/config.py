@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, fields
+
+from batchgen.short_repr import short_repr
+
+# auto | cpu | cuda | cuda:N, the device strings the runner resolves (torch accepts more).
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
 class ConfigError(ValueError):
@@ -84,7 +91,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ConfigError(
-                f"dtype={self.dtype!r}: expected one of auto, bfloat16, float16, float32"
+                f"dtype={short_repr(self.dtype)}: expected one of auto, bfloat16, float16, float32"
+            )
+        if not isinstance(self.device, str) or not DEVICE_PATTERN.fullmatch(self.device):
+            raise ConfigError(
+                f"device={short_repr(self.device)}: expected auto, cpu, cuda or cuda:N"
             )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size={self.block_size}: must be a power of two")
@@ -94,8 +105,10 @@ class EngineConfig:
             raise ConfigError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]"
             )
-        if self.cpu_kv_cache_gb <= 0:
-            raise ConfigError(f"cpu_kv_cache_gb={self.cpu_kv_cache_gb}: must be > 0")
+        if not 0 < self.cpu_kv_cache_gb < math.inf:  # NaN fails this too
+            raise ConfigError(
+                f"cpu_kv_cache_gb={self.cpu_kv_cache_gb}: must be a finite number > 0"
+            )
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
         if self.max_num_batched_tokens < 1:

@@ -65,6 +65,8 @@ def test_wrong_types(tmp_path):
 def test_bad_values(tmp_path):
     with pytest.raises(JobError, match=r"sampling\.temperature=-1\.0: must be 0 \(greedy\) or"):
         job_from(tmp_path, BASE, "sampling.temperature=-1")
+    with pytest.raises(JobError, match=r"model\.cpu_kv_cache_gb=nan: must be a finite number"):
+        job_from(tmp_path, BASE, "model.cpu_kv_cache_gb=.nan")
     with pytest.raises(JobError, match=r"model\.block_size=12: must be a power of two"):
         job_from(tmp_path, BASE, "model.block_size=12")
     with pytest.raises(
@@ -268,3 +270,14 @@ def test_complex_key_is_not_called_a_tag(tmp_path):
 def test_deeply_nested_yaml_is_a_job_error(tmp_path):
     with pytest.raises(JobError, match="nested too deeply"):
         job_from(tmp_path, BASE + "extra: " + "[" * 5000 + "]" * 5000 + "\n")
+
+
+def test_device_is_checked_with_the_job(tmp_path):
+    for device in ("auto", "cpu", "cuda", "cuda:3"):
+        job = job_from(tmp_path, BASE, f"model.device={device}")
+        assert job.model.engine_config().device == device
+    for device in ("tpu", "cuda:x", "CUDA", "cuda:-1"):
+        with pytest.raises(
+            JobError, match=rf"^model\.device='{device}': expected auto, cpu, cuda or cuda:N"
+        ):
+            job_from(tmp_path, BASE, f"model.device={device}")

@@ -31,7 +31,13 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device={device!r}: no CUDA device is visible to torch")
-    return torch.device(device)
+    resolved = torch.device(device)
+    count = torch.cuda.device_count() if resolved.type == "cuda" else 0
+    if resolved.index is not None and resolved.index >= count:
+        raise ConfigError(
+            f"device={device!r}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+        )
+    return resolved
 
 
 class ModelRunner:
