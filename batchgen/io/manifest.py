@@ -128,10 +128,17 @@ def remove_stray_temps(out_dir: str, owns, now: float | None = None) -> list[str
     return removed
 
 
+def _written_by_batchgen(name: str) -> bool:
+    """A file name batchgen writes in the output directory: a shard, a shared file, or a
+    temp of either."""
+    return name in (JOB_FILE, SUCCESS_FILE, STATS_FILE) or bool(
+        _SHARD.match(name) or _TEMP.match(name)
+    )
+
+
 def foreign_names(out_dir: str) -> list[str]:
     """Entries of out_dir that batchgen does not write (temps included as batchgen's)."""
-    ours = (JOB_FILE, SUCCESS_FILE, STATS_FILE, MANIFEST_DIR)
-    return [n for n in os.listdir(out_dir) if not (n in ours or _SHARD.match(n) or _TEMP.match(n))]
+    return [n for n in os.listdir(out_dir) if not (n == MANIFEST_DIR or _written_by_batchgen(n))]
 
 
 def is_batchgen_dir(out_dir: str) -> bool:
@@ -146,15 +153,15 @@ def clear_outputs(out_dir: str) -> None:
     leaves it empty."""
     for name in os.listdir(out_dir):
         path = os.path.join(out_dir, name)
-        if not os.path.isfile(path) or os.path.islink(path):
-            if name == MANIFEST_DIR and os.path.isdir(path) and not os.path.islink(path):
-                for sub in os.listdir(path):
-                    if _ENTRY.match(sub) or _TEMP.match(sub):
-                        os.unlink(os.path.join(path, sub))
-                if not os.listdir(path):
-                    os.rmdir(path)
-            continue
-        if _SHARD.match(name) or _TEMP.match(name) or name in (JOB_FILE, SUCCESS_FILE, STATS_FILE):
+        if os.path.islink(path):
+            continue  # neither a link nor what it points to is ours
+        if name == MANIFEST_DIR and os.path.isdir(path):
+            for sub in os.listdir(path):
+                if _ENTRY.match(sub) or _TEMP.match(sub):
+                    os.unlink(os.path.join(path, sub))
+            if not os.listdir(path):
+                os.rmdir(path)
+        elif os.path.isfile(path) and _written_by_batchgen(name):
             os.unlink(path)
     atomic.fsync_dir(out_dir)
 

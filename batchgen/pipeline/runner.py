@@ -251,7 +251,7 @@ class Runner:
         self._queue: deque[tuple[int, Request]] = deque()
         self._open: dict[int, _Shard] = {}
         self._in_flight: dict[str, tuple[int, Request]] = {}
-        self._dropped = False  # a stop dropped shards (or a buffer) that were never started
+        self._dropped = False  # a stop dropped shards that were never started
         input_done = False
         deadline = None
         while True:
@@ -326,7 +326,8 @@ class Runner:
 
     def _drop_unstarted_shards(self) -> None:
         unstarted = [k for k, s in self._open.items() if s.admitted == 0]
-        self._dropped = self._dropped or self._buffer is not None or bool(unstarted)
+        # (A buffer still filling means the input is not done: that run is unfinished anyway.)
+        self._dropped = self._dropped or bool(unstarted)
         self._buffer = None
         for k in unstarted:
             del self._open[k]
