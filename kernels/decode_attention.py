@@ -22,6 +22,12 @@ _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 32
 # A split should cover at least this many keys, or the reduce costs more than it saves.
 _MIN_KEYS_PER_SPLIT = 256
+# The split kernel's key rows per tile, warps and software-pipeline stages on a GPU. 128-key
+# tiles in 2 stages beat 64 x 3 by 0.3-0.5% in llama3.1-8b nano runs (H100, same-call sweeps,
+# RESULTS.md sixteenth session); 8 warps, 32-key tiles and 2 warps lost.
+DECODE_BLOCK_N = 128
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 2
 # Launch order of the split kernel's programs: kv heads of one sequence side by side.
 HEADS_FIRST = True
 
@@ -226,7 +232,7 @@ def _tiles() -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the split kernel."""
     if interpreting():
         return 16, 4, 1
-    return 64, 4, 3
+    return DECODE_BLOCK_N, DECODE_NUM_WARPS, DECODE_NUM_STAGES
 
 
 def launch_decode(

@@ -20,6 +20,9 @@ _LOG2E = 1.4426950408889634
 # Query rows per program (at most) and warps of the kernel on a GPU, for head_dim <= 128.
 PREFILL_BLOCK_M = 64
 PREFILL_NUM_WARPS = 4
+# Key rows per tile and software-pipeline stages of the kernel on a GPU, for head_dim <= 128.
+PREFILL_BLOCK_N = 64
+PREFILL_NUM_STAGES = 3
 
 
 @triton.jit
@@ -131,7 +134,7 @@ def _tiles(head_dim: int, max_seqlen_q: int) -> tuple[int, int, int, int]:
     block_m = min(PREFILL_BLOCK_M, max(16, pow2(max_seqlen_q)))
     if head_dim > 128:
         return block_m, 32, 4, 2
-    return block_m, 64, PREFILL_NUM_WARPS, 3
+    return block_m, PREFILL_BLOCK_N, PREFILL_NUM_WARPS, PREFILL_NUM_STAGES
 
 
 def launch_attention(
