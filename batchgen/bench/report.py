@@ -10,6 +10,8 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +47,7 @@ TOP_FIELDS = (
     "date",
     "command",
     "git_commit",
+    "source_tree",
     "device",
     "versions",
     "workload",
@@ -97,11 +100,37 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _git_commit() -> str:
+# The checkout batchgen runs from (git commands run there, not in the caller's directory).
+SOURCE_DIR = Path(__file__).resolve().parents[2]
+
+
+def _git_commit(cwd: Path = SOURCE_DIR) -> str:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+            cwd=cwd,
         )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _source_tree(cwd: Path = SOURCE_DIR) -> str:
+    """Git's tree hash of the files in the working tree as they are (tracked, and untracked ones
+    git does not ignore), staged into a throwaway index so the repository's own index is left
+    alone. It equals `git rev-parse COMMIT^{tree}` when the files are COMMIT's, which checks a
+    run made on a copied tree whose HEAD is stale (the GPU machine's copy)."""
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {**os.environ, "GIT_INDEX_FILE": os.path.join(tmp, "index")}
+            for args in (["git", "add", "-A"], ["git", "write-tree"]):
+                out = subprocess.run(
+                    args, capture_output=True, text=True, timeout=60, check=True, env=env, cwd=cwd
+                )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -125,6 +154,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": _command_line(),
         "git_commit": _git_commit(),
+        "source_tree": _source_tree(),
         "device": name,
         "versions": {
             "python": platform.python_version(),
@@ -189,7 +219,8 @@ def format_table(report: dict[str, Any]) -> str:
     w = report["workload"]
     head = (
         f"{w['name']} | {report['model']['name']} | {report['device']} | "
-        f"median of {report['repeat']} | commit {report['git_commit'][:10]}"
+        f"median of {report['repeat']} | commit {report['git_commit'][:10]} "
+        f"(tree {report.get('source_tree', 'unknown')[:10]})"
     )
     lines = [head, f"{'':20}" + "".join(f"{name:>14}" for name, _ in cols)]
     for label, key, kind in rows:
