@@ -22,6 +22,7 @@ from batchgen.engine.step_handle import StepHandle
 from batchgen.models.config import ModelConfig
 from batchgen.models.tokenizer import Tokenizer
 from batchgen.outputs import RequestOutput
+from batchgen.request_checks import ModelLimits, check_params, check_token_ids
 from batchgen.sampling_params import SamplingParams, SamplingParamsError
 
 _SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
@@ -60,9 +61,10 @@ class LLMEngine:
             runner.model_config if runner is not None else ModelConfig.from_dir(config.model)
         )
         mc = self.model_config
-        self.max_model_len = min(
-            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        self.limits = ModelLimits.of(
+            mc.max_position_embeddings, mc.vocab_size, config.max_model_len
         )
+        self.max_model_len = self.limits.max_model_len
         self.runner = runner or ModelRunner(config, mc, self.max_model_len)
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         self.eos_token_ids = frozenset(tokenizer_eos) | frozenset(mc.eos_token_ids)
@@ -117,18 +119,10 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             self._reject(request_id, ids, "bad_params", "stop strings need a tokenizer")
             return
-        # Sizes the sampler indexes the [N, V] logits with: past the vocabulary they would fail
-        # the whole batch's step, so they fail this request alone.
-        vocab = self.model_config.vocab_size
-        if params.logprobs is not None and params.logprobs > vocab:
-            self._reject(
-                request_id, ids, "bad_params", f"logprobs={params.logprobs} > vocab size {vocab}"
-            )
-            return
-        outside = [t for t in params.stop_token_ids if t >= vocab]
-        if outside:
-            message = f"stop_token_ids: {outside[0]} is not a token id (vocab size {vocab})"
-            self._reject(request_id, ids, "bad_params", message)
+        # Shared with the planner (request_checks.py), so `batchgen validate` predicts these.
+        error = check_params(params, self.limits)
+        if error is not None:
+            self._reject(request_id, ids, error.code, error.message)
             return
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seqs: list[Sequence] = []
@@ -229,13 +223,8 @@ class LLMEngine:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     def _check_ids(self, ids, what: str) -> tuple[str, str] | None:
-        vocab = self.model_config.vocab_size
-        bad = [
-            t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
-        ]
-        if bad:
-            return ("invalid_token_id", f"{what} has token id(s) outside [0, {vocab}): {bad[:5]}")
-        return None
+        error = check_token_ids(ids, self.limits.vocab_size, what)
+        return None if error is None else (error.code, error.message)
 
     def _reject(self, request_id: str, ids: list[int], code: str, message: str) -> None:
         self.stats.num_errors += 1

@@ -21,6 +21,7 @@ from batchgen.layers import gemm_tuning, linear
 from batchgen.layers.context import AttentionContext
 from batchgen.models.config import ModelConfig
 from batchgen.models.loader import load_model
+from batchgen.request_checks import check_cache_size
 
 # Rows of logits computed at once for scoring, bounding the [rows, vocab] buffer.
 _SCORE_CHUNK = 1024
@@ -80,12 +81,9 @@ class ModelRunner:
         self.stager = PinnedStager(self.device)
         self.sampler = Sampler(self.stager.to_device)
         self.num_kv_blocks = self._num_kv_blocks()
-        if self.num_kv_blocks * self.block_size < max_model_len:
-            raise ConfigError(
-                f"the KV cache holds {self.num_kv_blocks * self.block_size} tokens, fewer than "
-                f"one max_model_len={max_model_len} request; lower max_model_len or give the "
-                "cache more memory (gpu_memory_utilization / cpu_kv_cache_gb / num_kv_blocks)"
-            )
+        too_small = check_cache_size(self.num_kv_blocks * self.block_size, max_model_len)
+        if too_small is not None:
+            raise ConfigError(too_small)
         c = self.model_config
         # [2 (k, v), layers, blocks, block_size, kv_heads, head_dim]; per-layer views below.
         self.kv_cache = torch.zeros(

@@ -9,6 +9,7 @@ from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.prompt_allowance import PromptAllowance, admission_order, remaining_steps
 from batchgen.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from batchgen.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from batchgen.request_checks import check_length
 
 
 class AddError(NamedTuple):
@@ -127,18 +128,20 @@ class Scheduler:
         if seq.is_score:
             total = seq.num_tokens
             what = f"prompt + candidate has {total} tokens"
+            if total > self.max_model_len:
+                return AddError(
+                    "prompt_too_long",
+                    f"{what}, more than max_model_len={self.max_model_len}; shorten the input, "
+                    "or raise max_model_len if the model supports it",
+                )
         else:
-            total = seq.num_prompt_tokens + seq.params.max_tokens
+            # The planner runs the same check on every row, so `batchgen validate` predicts it.
+            error = check_length(seq.num_prompt_tokens, seq.params.max_tokens, self.max_model_len)
+            if error is not None:
+                return AddError(error.code, error.message)
             what = (
                 f"prompt has {seq.num_prompt_tokens} tokens + max_tokens "
-                f"{seq.params.max_tokens} = {total}"
-            )
-        if total > self.max_model_len:
-            fix = "shorten the input" if seq.is_score else "shorten the prompt or lower max_tokens"
-            return AddError(
-                "prompt_too_long",
-                f"{what}, more than max_model_len={self.max_model_len}; {fix}, or raise "
-                "max_model_len if the model supports it",
+                f"{seq.params.max_tokens} = {seq.num_prompt_tokens + seq.params.max_tokens}"
             )
         bm = self.block_manager
         if not bm.can_ever_fit(seq.max_kv_tokens):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
+from batchgen.request_checks import ModelLimits, check_request
 
 transformers = pytest.importorskip("transformers")
 
@@ -147,6 +148,9 @@ def test_invalid_requests_fail_alone(model_path, prompts, reference):
     bad.append((prompts[0], too_many, "bad_params"))
     # A stop id past the vocabulary, suppressed under min_tokens, would fail the batch's indexing.
     bad.append((prompts[0], {"stop_token_ids": [10**9], "min_tokens": 2}, "bad_params"))
+    # More tokens than any prompt leaves room for: refused by name (request_checks.py).
+    bad.append((prompts[0], {"max_tokens": 10_000_000}, "bad_params"))
+    bad.append(([0, True, 5], GREEDY, "invalid_token_id"))  # JSON true is no token id
     batch = [prompts[1]] + [b[0] for b in bad] + [prompts[2]]
     params = [GREEDY] + [b[1] for b in bad] + [GREEDY]
     outs = llm.generate(batch, params, use_tqdm=False)
@@ -157,6 +161,26 @@ def test_invalid_requests_fail_alone(model_path, prompts, reference):
     assert "logprobs=600 > vocab size 512" in outs[6].error
     assert "stop_token_ids: 1000000000 is not a token id (vocab size 512)" in outs[7].error
     assert "max_model_len=256" in outs[2].error
+    assert outs[8].error.startswith("max_tokens=10000000: must be less than max_model_len=256")
+
+
+def test_engine_refusals_are_the_shared_request_checks(model_path, prompts):
+    # The planner runs check_request on every row (run and validate); the engine must refuse
+    # exactly those requests, with the same code and message.
+    llm = LLM(model_path, dtype="float32", max_model_len=256, num_kv_blocks=512)
+    cases = [
+        ([0, 5, 10_000], GREEDY),
+        ([0, -1], GREEDY),
+        (prompts[0], SamplingParams(max_tokens=256)),
+        (prompts[0], SamplingParams(max_tokens=4, stop_token_ids=[512])),
+        ([0] + [7] * 250, SamplingParams(max_tokens=6)),
+    ]
+    outs = llm.generate([c[0] for c in cases], [c[1] for c in cases], use_tqdm=False)
+    for out, (ids, params) in zip(outs, cases):
+        expected = check_request(ids, params, llm.engine.limits)
+        assert expected is not None
+        assert (out.error_code, out.error) == (expected.code, expected.message)
+    assert llm.engine.limits == ModelLimits(256, 512)
 
 
 def test_stop_strings_min_tokens_and_logprobs(model_path, prompts, reference):
