@@ -13,10 +13,19 @@ MAX_LOGPROBS = 100
 # by them in float32, where 1e-300 rounds to 0 and 1e300 to inf: inf or NaN logits, and a
 # garbage token that looks like a normal output. Nothing useful lies outside.
 MIN_SCALE, MAX_SCALE = 1e-6, 1e6
+# Most samples of one prompt. Each sample is a sequence the engine tracks (a copy of the
+# prompt's ids, a slot in every step it runs) and an item of the row's output lists; a row
+# asking for 100,000 by mistake would stall the run and bloat its shard. Want more? Use more rows.
+MAX_N = 1024
 
 
 class SamplingParamsError(ValueError):
-    """A SamplingParams field has a value that cannot be used; the message names the field."""
+    """A SamplingParams field has a value that cannot be used; the message names the field,
+    and `field` holds its name (so a caller can say where the value was set)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -34,7 +43,8 @@ class SamplingParams:
         presence_penalty: subtracted once from logits of tokens already generated.
         frequency_penalty: subtracted per occurrence of tokens already generated.
         seed: keys the request's random stream; None draws one when the request is added.
-        n: number of independent samples of this prompt (they share the prompt's KV blocks).
+        n: number of independent samples of this prompt (they share the prompt's KV blocks),
+            at most MAX_N.
         stop: strings that end generation; the stop string is not part of the text.
         stop_token_ids: token ids that end generation (in addition to EOS).
         ignore_eos: keep generating past EOS (benchmarks).
@@ -69,7 +79,7 @@ class SamplingParams:
     def _validate(self) -> None:
         def bad(name: str, msg: str) -> None:
             value = getattr(self, name)
-            raise SamplingParamsError(f"SamplingParams.{name}={short_repr(value)}: {msg}")
+            raise SamplingParamsError(f"SamplingParams.{name}={short_repr(value)}: {msg}", name)
 
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
@@ -104,8 +114,8 @@ class SamplingParams:
                 bad(name, "must be a number in [-2, 2]")
         if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             bad("seed", "must be a non-negative integer or None")
-        if not is_int(self.n) or self.n < 1:
-            bad("n", "must be an integer >= 1")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}] (for more samples, use more rows)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
@@ -141,4 +151,6 @@ def _as_tuple(name: str, value: object, expected: str) -> tuple:
             return tuple(value)
         except TypeError:
             pass
-    raise SamplingParamsError(f"SamplingParams.{name}={short_repr(value)}: must be {expected}")
+    raise SamplingParamsError(
+        f"SamplingParams.{name}={short_repr(value)}: must be {expected}", name
+    )

@@ -7,7 +7,13 @@ from dataclasses import fields
 
 import pytest
 
-from batchgen.sampling_params import MAX_SCALE, MIN_SCALE, SamplingParams, SamplingParamsError
+from batchgen.sampling_params import (
+    MAX_N,
+    MAX_SCALE,
+    MIN_SCALE,
+    SamplingParams,
+    SamplingParamsError,
+)
 
 
 @pytest.mark.parametrize(
@@ -80,3 +86,15 @@ def test_scale_range_edges_are_accepted():
     for value in (MIN_SCALE, MAX_SCALE):
         assert SamplingParams(temperature=value, repetition_penalty=value)
     assert SamplingParams(temperature=0).greedy
+
+
+def test_n_is_bounded_and_errors_carry_the_field():
+    assert SamplingParams(n=MAX_N).n == MAX_N
+    with pytest.raises(SamplingParamsError, match=rf"SamplingParams\.n=100000: .*\[1, {MAX_N}\]"):
+        SamplingParams(n=100_000)
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(top_p=2)
+    assert info.value.field == "top_p"
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(stop=5)
+    assert info.value.field == "stop"
