@@ -16,6 +16,7 @@ from batchgen.io.readers import OPENAI_KEY
 from batchgen.io.rows import InputRow, ResultRow
 from batchgen.outputs import RequestOutput
 from batchgen.prompts import PromptError, PromptRenderer, RenderedPrompt
+from batchgen.request_checks import ModelLimits, check_request
 from batchgen.sampling_params import SamplingParams, SamplingParamsError
 
 PREFIX_TOKENS = 32  # rows whose first 32 prompt tokens agree form one prefix group
@@ -54,6 +55,15 @@ class Request:
 
 
 @dataclass
+class _Params:
+    """A row's SamplingParams and where each given field was set: "sampling" (the job), "body"
+    (an OpenAI batch line) or the overrides column's name."""
+
+    params: SamplingParams
+    origin: dict[str, str]
+
+
+@dataclass
 class Plan:
     requests: list[Request]  # in the order to feed the engine
     errors: list[ResultRow]
@@ -71,7 +81,9 @@ class Planner:
     Args:
         renderer: renders prompts (template or chat).
         tokenizer: anything with encode_batch(texts, add_special_tokens).
-        max_model_len: longest prompt + output the engine accepts.
+        limits: the model's max_model_len and vocabulary; every row is checked against them
+            with the engine's own checks (request_checks.py), so a row the engine would refuse
+            is an error record here, in `batchgen run` and in `batchgen validate` alike.
         base_params: the job's `sampling:` fields.
         passthrough: input columns copied to the output.
         overrides_column: optional column of per-row sampling overrides (dict or JSON text).
@@ -82,7 +94,7 @@ class Planner:
         self,
         renderer: PromptRenderer,
         tokenizer: TokenizerLike,
-        max_model_len: int,
+        limits: ModelLimits,
         base_params: dict[str, Any],
         passthrough: tuple[str, ...] = (),
         overrides_column: str | None = None,
@@ -90,7 +102,7 @@ class Planner:
     ):
         self.renderer = renderer
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
+        self.limits = limits
         self.base_params = dict(base_params)
         self.passthrough = passthrough
         self.overrides_column = overrides_column
@@ -98,7 +110,7 @@ class Planner:
 
     def plan(self, rows: list[InputRow]) -> Plan:
         errors: list[ResultRow] = []
-        staged: list[tuple[InputRow, dict, RenderedPrompt | list[int], SamplingParams, bool]] = []
+        staged: list[tuple[InputRow, dict, RenderedPrompt | list[int], _Params, bool]] = []
         for row in rows:
             keep = self._passthrough(row)
             if row.error_code is not None:
@@ -118,14 +130,18 @@ class Planner:
         for (row, keep, prompt, params, chat), ids in zip(staged, token_ids):
             if not ids or (isinstance(prompt, RenderedPrompt) and prompt.text == ""):
                 errors.append(ResultRow.failed(row, "empty_prompt", "prompt is empty", keep))
-            elif len(ids) >= self.max_model_len:
-                msg = (
-                    f"prompt has {len(ids)} tokens; the model takes at most "
-                    f"{self.max_model_len} (prompt + output), shorten the input"
-                )
-                errors.append(ResultRow.failed(row, "prompt_too_long", msg, keep, len(ids)))
+                continue
+            error = check_request(ids, params.params, self.limits)
+            if error is not None:
+                message = error.message
+                if error.field is not None:  # say where the field was set: job, body or row
+                    message = f"{params.origin.get(error.field, 'sampling')}.{message}"
+                n = len(ids) if error.code == "prompt_too_long" else 0
+                errors.append(ResultRow.failed(row, error.code, message, keep, n))
             else:
-                requests.append(Request(row.index, row.id, ids, params, keep, chat, row.source))
+                requests.append(
+                    Request(row.index, row.id, ids, params.params, keep, chat, row.source)
+                )
         return Plan(order_requests(requests), errors)
 
     def _passthrough(self, row: InputRow) -> dict[str, Any]:
@@ -150,24 +166,32 @@ class Planner:
             return list(prompt), False, extra
         raise PromptError("bad_params", "body.prompt must be a string or a list of token ids")
 
-    def _params(self, row: InputRow, extra: dict[str, Any]) -> SamplingParams:
+    def _params(self, row: InputRow, extra: dict[str, Any]) -> _Params:
         kw = dict(self.base_params)
+        origin = dict.fromkeys(kw, "sampling")
         kw.update(extra)
+        origin.update(dict.fromkeys(extra, "body"))
         if self.overrides_column:
-            kw.update(self._overrides(row))
+            overrides = self._overrides(row)
+            kw.update(overrides)
+            origin.update(dict.fromkeys(overrides, self.overrides_column))
         if "seed" not in extra and not (self.overrides_column and "seed" in self._overrides(row)):
             kw["seed"] = row_seed(self.base_params.get("seed"), row.id or "")
         try:
             params = SamplingParams(**kw)
         except (SamplingParamsError, TypeError) as e:
-            raise PromptError("bad_params", str(e)) from None
+            message = str(e)
+            where = origin.get(getattr(e, "field", None) or "")
+            if where is not None:  # "SamplingParams.n=..." -> "params.n=..." (the row's key)
+                message = message.replace("SamplingParams.", f"{where}.", 1)
+            raise PromptError("bad_params", message) from None
         if params.n > 1 and not self.allow_multi:
             raise PromptError(
                 "bad_params",
                 f"n={params.n} for one row needs sampling.n > 1 in "
                 "the job (which makes text a list column)",
             )
-        return params
+        return _Params(params, origin)
 
     def _overrides(self, row: InputRow) -> dict[str, Any]:
         value = (row.data or {}).get(self.overrides_column)

@@ -18,6 +18,7 @@ from batchgen.job_score import ScoreSpec
 from batchgen.outputs import RequestOutput
 from batchgen.planner import TokenizerLike, order_requests
 from batchgen.prompts import PromptError, PromptRenderer
+from batchgen.request_checks import ModelLimits, check_token_ids
 from batchgen.scoring import tokenize_for_scoring
 
 _MISSING = object()  # group layout: the candidate column is absent from a row
@@ -81,7 +82,8 @@ class ScorePlanner:
     Args:
         renderer: renders prompts (template or chat).
         tokenizer: anything with encode_batch(texts, add_special_tokens).
-        max_model_len: longest prompt + candidate the engine accepts.
+        limits: the model's max_model_len (prompt + candidate) and vocabulary (the engine's
+            own id check, request_checks.py, so validate predicts it).
         spec: the job's `score:` section.
         passthrough: input columns copied to the output (per row in the group layout).
     """
@@ -90,13 +92,13 @@ class ScorePlanner:
         self,
         renderer: PromptRenderer,
         tokenizer: TokenizerLike,
-        max_model_len: int,
+        limits: ModelLimits,
         spec: ScoreSpec,
         passthrough: tuple[str, ...] = (),
     ):
         self.renderer = renderer
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
+        self.limits = limits
         self.spec = spec
         self.passthrough = passthrough
 
@@ -142,19 +144,24 @@ class ScorePlanner:
         )
         req = ScoreRequest(unit.index, unit.id or "", prompt_ids, cands, {})
         n = len(prompt_ids)
+        vocab = self.limits.vocab_size
+        bad_prompt = check_token_ids(prompt_ids, vocab, "prompt")
         checked: dict[int, tuple[str, str] | list[int]] = {}
         for c in cands:
             checked[c.index] = _value_problem(c, self.spec)
         for c, toks in zip(good, ids):
+            bad_ids = bad_prompt or check_token_ids(toks, vocab, f"candidate {c.index}")
             if not prompt_ids or text == "":
                 checked[c.index] = ("empty_prompt", "prompt is empty")
             elif not toks:
                 checked[c.index] = ("empty_candidate", f"candidate {c.index} has no tokens")
-            elif n + len(toks) > self.max_model_len:
+            elif bad_ids is not None:  # ids past config.json's vocab_size: the engine's error
+                checked[c.index] = (bad_ids.code, bad_ids.message)
+            elif n + len(toks) > self.limits.max_model_len:
                 checked[c.index] = (
                     "prompt_too_long",
                     f"prompt ({n} tokens) + candidate {c.index} ({len(toks)} tokens) = "
-                    f"{n + len(toks)} tokens; the model takes at most {self.max_model_len}, "
+                    f"{n + len(toks)} tokens; the model takes at most {self.limits.max_model_len}, "
                     "shorten the input",
                 )
             else:

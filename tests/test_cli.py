@@ -17,8 +17,9 @@ from workspace import make_job, read_output, rows, write_jsonl  # noqa: E402
 from batchgen import cli  # noqa: E402
 from batchgen.job import JobError, load_job  # noqa: E402
 from batchgen.pipeline import engine_factory  # noqa: E402
+from batchgen.request_checks import ModelLimits  # noqa: E402
 
-REAL_MODEL_MAX_LEN = engine_factory.model_max_len  # the fixture below swaps these
+REAL_MODEL_LIMITS = engine_factory.model_limits  # the fixture below swaps these
 REAL_BUILD_ENGINE = engine_factory.build_engine
 
 
@@ -28,7 +29,7 @@ def fake_engine(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
     monkeypatch.setattr(engine_factory, "build_engine", lambda job: FakeEngine(max_model_len=200))
     monkeypatch.setattr(engine_factory, "build_tokenizer", lambda job: FakeTokenizer())
-    monkeypatch.setattr(engine_factory, "model_max_len", lambda job: 200)
+    monkeypatch.setattr(engine_factory, "model_limits", lambda job: ModelLimits(200, 259))
 
 
 def invoke(*args):
@@ -135,7 +136,7 @@ def test_bad_slurm_array_task_is_a_clear_error(tmp_path, monkeypatch, task, step
 def test_unsupported_model_fails_before_anything_runs(tmp_path, monkeypatch):
     write_jsonl(tmp_path / "in.jsonl", rows(5))
     job = make_job(tmp_path, "in.jsonl")
-    monkeypatch.setattr(engine_factory, "model_max_len", REAL_MODEL_MAX_LEN)
+    monkeypatch.setattr(engine_factory, "model_limits", REAL_MODEL_LIMITS)
     res = invoke("run", str(job))
     assert res.exit_code == 2 and res.output.startswith("error: model.path:")
     assert not (tmp_path / "out").exists()
@@ -185,3 +186,59 @@ def test_help_everywhere():
         res = invoke(cmd, "--help")
         assert res.exit_code == 0 and "Usage:" in res.output
     assert "--shard" in invoke("run", "--help").output
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        (
+            "sampling.max_tokens=10000000",
+            "error: job.yaml: sampling.max_tokens=10000000: must be less than max_model_len=200",
+        ),
+        (
+            "sampling.stop_token_ids=[5, 300]",
+            "error: job.yaml: sampling.stop_token_ids: 300 is not a token id (vocab size 259)",
+        ),
+        (
+            "model.num_kv_blocks=2",
+            "error: job.yaml: model.num_kv_blocks=2: the KV cache holds 32 tokens, fewer than "
+            "one max_model_len=200 request",
+        ),
+        ("sampling.n=100000", "error: sampling.n=100000: must be an integer in [1, 1024]"),
+    ],
+)
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_job_values_the_model_cannot_take_fail_before_it_loads(
+    tmp_path, monkeypatch, command, setting, message
+):
+    # Limits from config.json (patched: 200 tokens, 259 ids); no row would get through.
+    def no_engine(job):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(engine_factory, "build_engine", no_engine)
+    write_jsonl(tmp_path / "in.jsonl", rows(5))
+    make_job(tmp_path, "in.jsonl")
+    res = invoke(command, "job.yaml", "--set", setting)
+    assert res.exit_code == 2 and res.output.startswith(message), res.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_validate_counts_rows_the_engine_would_refuse(tmp_path):
+    data = rows(6)
+    data[1]["params"] = {"max_tokens": 10_000_000}
+    data[2]["params"] = {"stop_token_ids": [300]}
+    data[3]["params"] = {"n": 100_000}
+    data[4]["params"] = {"max_tokens": 190}  # 190 + the prompt's 30-odd tokens > 200
+    write_jsonl(tmp_path / "in.jsonl", data)
+    job = make_job(tmp_path, "in.jsonl", sampling={"overrides_column": "params"})
+    res = invoke("validate", str(job))
+    assert res.exit_code == 0, res.output
+    assert "6 rows: 2 ok, 4 will fail" in res.output
+    assert "bad_params: 3" in res.output and "prompt_too_long: 1" in res.output
+    assert "in.jsonl:2: params.max_tokens=10000000: must be less than" in res.output
+    assert "in.jsonl:4: params.n=100000: must be an integer in [1, 1024]" in res.output
+    assert invoke("run", str(job)).exit_code == 0
+    df = read_output("out")
+    assert df["error_code"].to_list() == [None] + ["bad_params"] * 3 + ["prompt_too_long", None]
+    for message in df["error"].drop_nulls():  # each one validate printed
+        assert f"] {message}" in res.output

@@ -9,16 +9,18 @@ sys.path.insert(0, str(Path(__file__).parent / "pipeline"))
 
 from fake_engine import FakeTokenizer  # noqa: E402
 
+from batchgen.io.readers import OPENAI_KEY  # noqa: E402
 from batchgen.io.rows import InputRow  # noqa: E402
 from batchgen.job import PromptSpec  # noqa: E402
 from batchgen.outputs import RequestOutput  # noqa: E402
 from batchgen.planner import Planner, Request, order_requests, row_seed, to_result  # noqa: E402
 from batchgen.prompts import PromptRenderer  # noqa: E402
+from batchgen.request_checks import ModelLimits  # noqa: E402
 from batchgen.sampling_params import SamplingParams  # noqa: E402
 
 
 def planner(**kw):
-    kw.setdefault("max_model_len", 64)
+    kw.setdefault("limits", ModelLimits(64, FakeTokenizer.vocab_size))
     kw.setdefault("base_params", {"max_tokens": 4})
     return Planner(PromptRenderer(PromptSpec(template="Q: {text}")), FakeTokenizer(), **kw)
 
@@ -93,3 +95,68 @@ def test_engine_error_names_the_row_source():
     assert to_result(req, RequestOutput("0/3", [], error=row.error)).error == row.error
     bare = Request(3, "r3", [0], SamplingParams())
     assert to_result(bare, RequestOutput("0/3", [], error="boom")).error == "boom"
+
+
+def test_rows_the_engine_would_refuse_are_error_records():
+    # The engine's own checks (request_checks.py) against limits 64 tokens, vocabulary 259.
+    plan = planner(overrides_column="o").plan(
+        [
+            row(0, "x" * 55),  # 59 prompt tokens + max_tokens 4 = 63: fits
+            row(1, "x" * 55, o={"max_tokens": 10}),  # 59 + 10 = 69 > 64
+            row(2, "a", o={"max_tokens": 10_000_000}),  # no prompt leaves room for it
+            row(3, "a", o={"stop_token_ids": [259]}),  # past the vocabulary
+            row(4, "a", o={"n": 100_000}),  # more samples than MAX_N
+        ]
+    )
+    assert [r.index for r in plan.requests] == [0]
+    errors = {e.index: e for e in plan.errors}
+    assert errors[1].error_code == "prompt_too_long" and errors[1].num_prompt_tokens == 59
+    assert errors[1].error.startswith("f:1: prompt has 59 tokens + max_tokens 10 = 69, more than")
+    assert errors[2].error_code == "bad_params"
+    assert errors[2].error.startswith(
+        "f:2: o.max_tokens=10000000: must be less than max_model_len=64"
+    )
+    assert errors[3].error == "f:3: o.stop_token_ids: 259 is not a token id (vocab size 259)"
+    assert errors[4].error.startswith("f:4: o.n=100000: must be an integer in [1, 1024]")
+    assert [errors[i].error_code for i in (2, 3, 4)] == ["bad_params"] * 3
+
+
+def test_token_ids_past_the_models_vocabulary():
+    # A tokenizer whose ids run past config.json's vocab_size: 'o' and 'k' encode to 114, 110.
+    plan = planner(limits=ModelLimits(64, 100)).plan([row(0, "ok")])
+    (error,) = plan.errors
+    assert error.error_code == "invalid_token_id"
+    assert error.error == "f:0: prompt has token id(s) outside [0, 100): [114, 110]"
+
+
+def openai_row(i, body):
+    data = {OPENAI_KEY: {"url": "/v1/completions", "body": body}}
+    return InputRow(i, f"c{i}", data, f"b:{i}")
+
+
+def test_pretokenized_prompts_and_body_fields_are_checked():
+    plan = planner(base_params={"max_tokens": 4}).plan(
+        [
+            openai_row(0, {"prompt": [1, 2, 3]}),
+            openai_row(1, {"prompt": [1, 2, 259]}),
+            openai_row(2, {"prompt": [1, True]}),  # JSON true is an int to Python
+            openai_row(3, {"prompt": [1, -4]}),
+            openai_row(4, {"prompt": [1, 2], "max_tokens": 10_000_000}),
+        ]
+    )
+    assert [r.index for r in plan.requests] == [0]
+    codes = {e.index: e.error_code for e in plan.errors}
+    assert codes == {
+        1: "invalid_token_id",
+        2: "invalid_token_id",
+        3: "invalid_token_id",
+        4: "bad_params",
+    }
+    messages = {e.index: e.error for e in plan.errors}
+    assert messages[2] == "b:2: prompt has token id(s) outside [0, 259): [True]"
+    assert messages[4].startswith("b:4: body.max_tokens=10000000: must be less than")
+
+
+def test_a_job_value_the_model_cannot_take_names_sampling():
+    plan = planner(base_params={"max_tokens": 100}).plan([row(0, "a")])
+    assert plan.errors[0].error.startswith("f:0: sampling.max_tokens=100: must be less than")

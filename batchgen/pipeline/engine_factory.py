@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from batchgen.job import JobError, JobSpec
 from batchgen.outputs import RequestOutput
+from batchgen.request_checks import ModelLimits
 from batchgen.sampling_params import SamplingParams
 
 
@@ -28,6 +29,7 @@ class EngineLike(Protocol):
 
     tokenizer: Any
     max_model_len: int
+    limits: ModelLimits  # what add_request checks; the planner checks every row against it
     stats: Any
 
     def add_request(
@@ -64,14 +66,14 @@ def build_tokenizer(job: JobSpec) -> TokenizerLike:
         raise JobError(f"model.path: {e}") from None
 
 
-def model_max_len(job: JobSpec) -> int:
-    """Longest prompt + output for `validate` without loading weights."""
+def model_limits(job: JobSpec) -> ModelLimits:
+    """The limits the engine will check requests against, from config.json (no weights)."""
     from batchgen.models.config import ModelConfig
     from batchgen.models.errors import ModelLoadError
 
     try:
-        limit = ModelConfig.from_dir(job.model.path).max_position_embeddings
+        mc = ModelConfig.from_dir(job.model.path)
     except ModelLoadError as e:
         raise JobError(f"model.path: {e}") from None
     configured = job.model.engine_config().max_model_len
-    return min(limit, configured) if configured else limit
+    return ModelLimits.of(mc.max_position_embeddings, mc.vocab_size, configured)

@@ -16,6 +16,7 @@ from batchgen.job import JobSpec, require_prompt
 from batchgen.outputs import RequestOutput
 from batchgen.planner import Planner, Request, to_result
 from batchgen.prompts import PromptRenderer, placeholders
+from batchgen.request_checks import ModelLimits
 
 
 class GenerateMode:
@@ -42,13 +43,13 @@ class GenerateMode:
         multi = self.job.sampling.base_params().get("n", 1) > 1
         return ShardLayout(passthrough, multi, out.format, out.compression, model)
 
-    def planner(self, renderer: PromptRenderer, tokenizer, max_model_len: int) -> Planner:
+    def planner(self, renderer: PromptRenderer, tokenizer, limits: ModelLimits) -> Planner:
         job = self.job
         multi = job.sampling.base_params().get("n", 1) > 1 or job.output.format == "openai-batch"
         return Planner(
             renderer,
             tokenizer,
-            max_model_len,
+            limits,
             job.sampling.base_params(),
             job.input.columns,
             job.sampling.overrides_column,

@@ -19,6 +19,7 @@ from batchgen.io.writer import ShardLayout, write_shard
 from batchgen.job import JobError, JobSpec
 from batchgen.pipeline import engine_factory as factory
 from batchgen.pipeline.fingerprint import fingerprint, fingerprint_parts
+from batchgen.pipeline.job_limits import check_job_limits
 from batchgen.pipeline.modes import mode_for
 from batchgen.pipeline.progress import Progress
 from batchgen.pipeline.sharding import ShardSelector
@@ -125,7 +126,9 @@ class Runner:
         self.columns = self.mode.columns(self.files, list(self.formats.values()))
         tok = self.tokenizer = self.tokenizer_factory(job)
         if self._check_model:
-            factory.model_max_len(job)  # config.json: architecture, lengths (JobError if bad)
+            # config.json: architecture, lengths, vocabulary (JobError if bad), and the job's
+            # own settings against them, before the weights load.
+            check_job_limits(job, factory.model_limits(job))
         self.renderer = PromptRenderer(job.prompt, tok.chat_template, tok.bos_token, tok.eos_token)
         try:
             self.renderer.check(needs_chat=job.prompt.chat is not None)
@@ -240,7 +243,8 @@ class Runner:
         if self.engine is None:
             self.log(f"loading model {self.job.model.path} ...")
             self.engine = self.engine_factory(self.job)
-            self._plan = self.mode.planner(self.renderer, self.tokenizer, self.engine.max_model_len)
+            # The engine's own limits: rows it would refuse become error records up front.
+            self._plan = self.mode.planner(self.renderer, self.tokenizer, self.engine.limits)
         return self._plan
 
     def _loop(self) -> bool:

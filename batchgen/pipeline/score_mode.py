@@ -17,6 +17,7 @@ from batchgen.job import JobError, JobSpec
 from batchgen.job_score import ScoreSpec
 from batchgen.outputs import RequestOutput
 from batchgen.prompts import PromptRenderer, placeholders
+from batchgen.request_checks import ModelLimits
 from batchgen.score_planner import ScorePlanner, ScoreRequest, to_score_rows
 
 
@@ -62,8 +63,8 @@ class ScoreMode:
             token_logprobs=self.spec.return_token_logprobs,
         )
 
-    def planner(self, renderer: PromptRenderer, tokenizer, max_model_len: int) -> ScorePlanner:
-        return ScorePlanner(renderer, tokenizer, max_model_len, self.spec, self.job.input.columns)
+    def planner(self, renderer: PromptRenderer, tokenizer, limits: ModelLimits) -> ScorePlanner:
+        return ScorePlanner(renderer, tokenizer, limits, self.spec, self.job.input.columns)
 
     def submit(self, engine, request_id: str, req: ScoreRequest) -> None:
         candidates = list(req.token_ids.values())

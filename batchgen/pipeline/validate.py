@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 from batchgen.io.readers import file_format, resolve_inputs
 from batchgen.job import JobError, JobSpec
 from batchgen.pipeline import engine_factory as factory
+from batchgen.pipeline.job_limits import check_job_limits
 from batchgen.pipeline.modes import mode_for
 from batchgen.prompts import PromptError, PromptRenderer
+from batchgen.request_checks import ModelLimits
 
 
 @dataclass
@@ -51,10 +53,15 @@ class ValidateReport:
 def validate(
     job: JobSpec,
     tokenizer_factory: Callable[[JobSpec], factory.TokenizerLike] | None = None,
-    max_len_fn: Callable[[JobSpec], int] | None = None,
+    limits_fn: Callable[[JobSpec], ModelLimits] | None = None,
     max_examples: int = 10,
 ) -> ValidateReport:
-    """Check the job against its input and model files; raises JobError for a bad job."""
+    """Check the job against its input and model files; raises JobError for a bad job.
+
+    Rows go through the run's own planner, which applies the engine's request checks
+    (request_checks.py) against config.json's limits: a row counted ok here is one the
+    engine accepts, and a failing row has the code and message the run would give it.
+    """
     files = resolve_inputs(job.input.path)
     mode = mode_for(job)
     columns = mode.columns(files, [file_format(f, job.input.format) for f in files])
@@ -64,7 +71,9 @@ def validate(
         renderer.check(needs_chat=job.prompt.chat is not None)
     except PromptError as e:
         raise JobError(f"prompt: {e}") from None
-    planner = mode.planner(renderer, tok, (max_len_fn or factory.model_max_len)(job))
+    limits = (limits_fn or factory.model_limits)(job)
+    check_job_limits(job, limits)
+    planner = mode.planner(renderer, tok, limits)
     report = ValidateReport(files, score=job.mode == "score")
     for chunk in mode.reader(files, columns):
         plan = planner.plan(chunk)

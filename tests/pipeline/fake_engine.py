@@ -7,6 +7,7 @@ import time
 
 from batchgen.engine.stats import EngineStats
 from batchgen.outputs import CompletionOutput, RequestOutput, ScoreOutput
+from batchgen.request_checks import ModelLimits
 from batchgen.sampling_params import SamplingParams
 
 CHAT_TEMPLATE = (
@@ -75,6 +76,7 @@ class FakeEngine:
     def __init__(self, max_model_len: int = 512, step_delay: float = 0.0, max_num_seqs=64):
         self.tokenizer = FakeTokenizer()
         self.max_model_len = max_model_len
+        self.limits = ModelLimits(max_model_len, FakeTokenizer.vocab_size)
         self.step_delay = step_delay
         self.max_num_seqs = max_num_seqs
         self.stats = EngineStats()

@@ -106,3 +106,81 @@ def test_cli_sigkill_at_random_moments_then_resume(tmp_path, tiny_model_dir):
     got, want = read_output(out), read_output(tmp_path / "ref" / "out")
     assert got["id"].to_list() == [r["id"] for r in data]  # every id once, in order
     assert got["text"].to_list() == want["text"].to_list()
+
+
+def _validate_then_run(job_path: Path):
+    from collections import Counter
+
+    from batchgen.pipeline.validate import validate
+
+    job = load_job(str(job_path))
+    report = validate(job)  # the real tokenizer and config.json; no weights
+    result = Runner(job).run()
+    assert result.exit_code == 0
+    df = read_output(job.output.path)
+    errors = df.filter(df["error_code"].is_not_null())
+    # Every row the run failed, validate failed with the same code and message, and no other.
+    assert report.ok == df.height - errors.height
+    assert dict(report.errors) == dict(Counter(errors["error_code"].to_list()))
+    assert sorted(report.examples) == sorted(
+        f"[{c}] {m}" for c, m in zip(errors["error_code"], errors["error"])
+    )
+    return dict(zip(df["id"].to_list(), df["error_code"].to_list()))
+
+
+def test_validate_predicts_the_runs_engine_errors(tmp_path, monkeypatch, tiny_model_dir):
+    model = tiny_model_dir("llama")
+    data = rows(7)
+    data[1]["params"] = {"max_tokens": 240}  # prompt + 240 > max_model_len 256
+    data[2]["params"] = {"max_tokens": 10_000_000}
+    data[3]["params"] = {"stop_token_ids": [600]}  # the tiny vocabulary has 512 ids
+    data[4]["params"] = {"n": 100_000}
+    data[5]["params"] = {"logprobs": 5, "stop_token_ids": [7]}  # fine
+    write_jsonl(tmp_path / "in.jsonl", data)
+    monkeypatch.chdir(tmp_path)
+    path = real_job(tmp_path, model, "in.jsonl")
+    job = yaml.safe_load(path.read_text())
+    job["sampling"]["overrides_column"] = "params"
+    path.write_text(yaml.safe_dump(job))
+    codes = _validate_then_run(path)
+    bad = ["prompt_too_long", "bad_params", "bad_params", "bad_params"]
+    assert list(codes.values()) == [None, *bad, None, None]
+
+
+def test_validate_predicts_invalid_token_ids(tmp_path, monkeypatch, tiny_model_dir):
+    model = tiny_model_dir("llama")
+    lines = [
+        {"custom_id": f"c{i}", "url": "/v1/completions", "body": {"prompt": p, "max_tokens": 4}}
+        for i, p in enumerate([[0, 5, 9], [0, 5, 600], [0, True], [0, -1], "Once upon"])
+    ]
+    write_jsonl(tmp_path / "batch.jsonl", [{"method": "POST", **x} for x in lines])
+    monkeypatch.chdir(tmp_path)
+    path = real_job(tmp_path, model, "batch.jsonl")
+    job = yaml.safe_load(path.read_text())
+    del job["prompt"]
+    job["input"]["columns"] = []
+    path.write_text(yaml.safe_dump(job))
+    codes = _validate_then_run(path)
+    assert list(codes.values()) == [None] + ["invalid_token_id"] * 3 + [None]
+
+
+def test_validate_checks_ids_against_config_vocab_size(tmp_path, monkeypatch, tiny_model_dir):
+    # A tokenizer whose ids run past config.json's vocab_size: found without any weights.
+    import json
+    import shutil
+
+    from batchgen.pipeline.validate import validate
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if os.path.exists(os.path.join(tiny_model_dir("llama"), name)):
+            shutil.copy(os.path.join(tiny_model_dir("llama"), name), model / name)
+    config = json.loads((model / "config.json").read_text())
+    config["vocab_size"] = 100
+    (model / "config.json").write_text(json.dumps(config))
+    write_jsonl(tmp_path / "in.jsonl", rows(3))
+    monkeypatch.chdir(tmp_path)
+    report = validate(load_job(str(real_job(tmp_path, str(model), "in.jsonl"))))
+    assert (report.ok, dict(report.errors)) == (0, {"invalid_token_id": 3})
+    assert "prompt has token id(s) outside [0, 100): " in report.examples[0]

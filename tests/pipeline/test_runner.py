@@ -27,6 +27,7 @@ from batchgen.pipeline.sharding import ShardSelector
 from batchgen.pipeline.signals import StopFlag
 from batchgen.pipeline.validate import validate
 from batchgen.planner import row_seed
+from batchgen.request_checks import ModelLimits
 
 
 @pytest.fixture(autouse=True)
@@ -109,7 +110,9 @@ def test_corrupt_parquet_row_group_is_error_records_not_a_crash(tmp_path):
     p = write_row_groups(tmp_path / "in.parquet", 30, 10)
     corrupt_column_chunk(p, 1, 1)  # the text of rows 10-19
     job = load(make_job(tmp_path, "in.parquet", input={"columns": []}))
-    report = validate(job, tokenizer_factory=lambda j: FakeTokenizer(), max_len_fn=lambda j: 256)
+    report = validate(
+        job, tokenizer_factory=lambda j: FakeTokenizer(), limits_fn=lambda j: ModelLimits(256, 259)
+    )
     assert (report.rows, report.ok, dict(report.errors)) == (30, 20, {"bad_parquet": 10})
     result = run(job)
     assert result.exit_code == 0 and result.complete and result.totals["errors"] == 10

@@ -13,6 +13,7 @@ from workspace import load, make_job, read_output, write_jsonl, write_parquet
 from batchgen.job import JobError
 from batchgen.pipeline.runner import Runner
 from batchgen.pipeline.validate import validate
+from batchgen.request_checks import ModelLimits
 from batchgen.scoring import tokenize_for_scoring
 
 TEMPLATE = "Q: {question}\nA:"
@@ -202,7 +203,9 @@ def test_validate_counts_candidates(tmp_path):
     data[3]["choices"] = ["", "x"]
     write_jsonl(tmp_path / "in.jsonl", data)
     job = load(score_job(tmp_path, "in.jsonl"))
-    report = validate(job, tokenizer_factory=lambda j: FakeTokenizer(), max_len_fn=lambda j: 64)
+    report = validate(
+        job, tokenizer_factory=lambda j: FakeTokenizer(), limits_fn=lambda j: ModelLimits(64, 259)
+    )
     total = sum(len(r["choices"]) for r in data)
     assert report.rows == 10 and report.ok == total - 1
     assert dict(report.errors) == {"empty_candidate": 1}
@@ -261,3 +264,22 @@ def test_real_engine_scores_match_llm_score(tmp_path, tiny_model_dir):
             assert got["num_tokens"] == ref.num_tokens
             assert got["greedy_match"] == ref.greedy_match
     check_ranks(df)
+
+
+def test_candidate_ids_past_the_vocabulary_validate_as_in_the_run(tmp_path):
+    # FakeTokenizer ids are bytes + 3: the first byte of "é" (0xC3) is 198, past 180 tokens.
+    data = questions(4)
+    data[1]["choices"] = ["yes", "é"]
+    write_jsonl(tmp_path / "in.jsonl", data)
+    job = load(score_job(tmp_path, "in.jsonl"))
+    limits = ModelLimits(64, 180)
+    report = validate(job, tokenizer_factory=lambda j: FakeTokenizer(), limits_fn=lambda j: limits)
+    assert dict(report.errors) == {"invalid_token_id": 1}
+    engine = FakeEngine(max_model_len=64, max_num_seqs=8)
+    engine.limits = limits
+    assert run(job, engine).complete
+    df = read_output("out").filter(pl.col("error_code").is_not_null())
+    assert df["error_code"].to_list() == ["invalid_token_id"]
+    assert df["candidate_index"].to_list() == [1]
+    assert report.examples == [f"[invalid_token_id] {df['error'][0]}"]
+    assert df["error"][0] == "in.jsonl:2: candidate 1 has token id(s) outside [0, 180): [198]"
