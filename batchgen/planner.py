@@ -175,7 +175,7 @@ class Planner:
             overrides = self._overrides(row)
             kw.update(overrides)
             origin.update(dict.fromkeys(overrides, self.overrides_column))
-        if "seed" not in extra and not (self.overrides_column and "seed" in self._overrides(row)):
+        if origin.get("seed") in (None, "sampling"):  # a seed the row gives is used as is
             kw["seed"] = row_seed(self.base_params.get("seed"), row.id or "")
         try:
             params = SamplingParams(**kw)
