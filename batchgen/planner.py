@@ -244,6 +244,14 @@ def order_requests(requests: list[Request]) -> list[Request]:
     return ordered
 
 
+def with_source(source: str, message: str) -> str:
+    """An engine error message prefixed with the row's file:line (the engine knows no files);
+    not named twice when the message already starts with it, left alone without a source."""
+    if source and not message.startswith(source):
+        return f"{source}: {message}"
+    return message
+
+
 def to_result(request: Request, output: RequestOutput) -> ResultRow:
     """The output row for a finished request (n > 1: text/finish_reason/tokens become lists)."""
     base = dict(
@@ -256,9 +264,7 @@ def to_result(request: Request, output: RequestOutput) -> ResultRow:
     )
     if output.error is not None or output.error_code is not None or not output.outputs:
         code = output.error_code or "engine_error"
-        message = output.error or "the engine returned no output"
-        if request.source and not message.startswith(request.source):
-            message = f"{request.source}: {message}"
+        message = with_source(request.source, output.error or "the engine returned no output")
         return ResultRow(**base, error=message, error_code=code)
     samples = sorted(output.outputs, key=lambda o: o.index)
     if request.params.n == 1:

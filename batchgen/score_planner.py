@@ -16,7 +16,7 @@ from batchgen.io.score_reader import MEMBERS_KEY
 from batchgen.io.score_rows import ScoreRow
 from batchgen.job_score import ScoreSpec
 from batchgen.outputs import RequestOutput
-from batchgen.planner import TokenizerLike, order_requests
+from batchgen.planner import TokenizerLike, order_requests, with_source
 from batchgen.prompts import PromptError, PromptRenderer
 from batchgen.request_checks import ModelLimits, check_token_ids
 from batchgen.scoring import tokenize_for_scoring
@@ -248,10 +248,13 @@ def to_score_rows(req: ScoreRequest, out: RequestOutput) -> list[ScoreRow]:
         c = by_index[i]
         s = scores[pos] if scores is not None else None
         if s is None or s.error_code is not None or s.error is not None:
-            failed = s if s is not None else out
-            message = failed.error or "the engine returned no score"
-            code = failed.error_code or "engine_error"
-            rows.append(_unit_row(req, c, base, error=f"{c.source}: {message}", error_code=code))
+            if s is not None:  # this candidate's own error
+                message = _renumbered(s.error or "the engine returned no score", pos, c.index)
+            else:  # the whole request's (or no scores at all)
+                message = out.error or "the engine returned no score"
+            code = (s if s is not None else out).error_code or "engine_error"
+            error = with_source(c.source, message)
+            rows.append(_unit_row(req, c, base, error=error, error_code=code))
             continue
         rows.append(
             _unit_row(
@@ -269,6 +272,16 @@ def to_score_rows(req: ScoreRequest, out: RequestOutput) -> list[ScoreRow]:
     for rank, r in enumerate(ok, start=1):
         r.rank = rank
     return sorted(rows, key=lambda r: r.candidate_index)
+
+
+def _renumbered(message: str, sent: int, index: int) -> str:
+    """The engine names a candidate by its position among those sent ("candidate 1: ..."), which
+    is not its index in the row once an earlier candidate was refused before the engine (row
+    candidates [a, "", b] send [a, b]): name the row's candidate_index instead."""
+    name = f"candidate {sent}"
+    if sent != index and message.startswith(name) and message[len(name) : len(name) + 1] in ": ":
+        return f"candidate {index}{message[len(name) :]}"
+    return message
 
 
 def _unit_row(req: ScoreRequest, c: Candidate, base: dict, **kw) -> ScoreRow:
