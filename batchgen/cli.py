@@ -64,7 +64,11 @@ _set_option = click.option(
 @click.option(
     "--overwrite", is_flag=True, help="Discard outputs of a different job in output.path."
 )
-@click.option("--strict", is_flag=True, help="Exit 1 if any row ended as an error record.")
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="Exit 1 if any row of this task's shards ended as an error record.",
+)
 @click.option(
     "--shard",
     "shard",
@@ -77,8 +81,9 @@ _set_option = click.option(
 def run(job_file, overrides, overwrite, strict, shard, progress) -> None:
     """Run JOB_FILE: generate for every input row and commit sharded output.
 
-    Exit codes: 0 done (row errors are counted, not fatal), 1 row errors with --strict,
-    2 bad job or usage, 75 interrupted by SIGTERM/SIGUSR1/SIGINT (run again to resume).
+    Exit codes: 0 done (row errors are counted, not fatal), 1 row errors in this task's shards
+    with --strict, 2 bad job or usage, 75 interrupted by SIGTERM/SIGUSR1/SIGINT (run again to
+    resume).
     """
     from batchgen.pipeline.runner import Runner
     from batchgen.pipeline.sharding import ShardSelector
@@ -102,9 +107,11 @@ def run(job_file, overrides, overwrite, strict, shard, progress) -> None:
         sys.exit(EX_TEMPFAIL)
     if result.complete:
         click.echo(f"done: {job.output.path}/_SUCCESS written")
-    errors = result.totals["errors"]
+    # The task's own rows: another task's errors are that task's to report (and exit 1 on).
+    errors = result.task_totals["errors"]
     if errors:
-        click.echo(f"{errors} row(s) ended as error records (see columns error, error_code)")
+        of = "" if selector.count == 1 else f" of task {selector}"
+        click.echo(f"{errors} row(s){of} ended as error records (see columns error, error_code)")
     sys.exit(EXIT_ROW_ERRORS if strict and errors else EXIT_OK)
 
 

@@ -102,8 +102,30 @@ def test_shard_option_and_slurm_env(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
     monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
     res = invoke("run", str(job))
-    assert "shards committed: 5/5" in res.output and "_SUCCESS written" in res.output
+    assert "shards committed: 3/3 of task 0/2" in res.output and "_SUCCESS written" in res.output
+    assert "job (all tasks): 5/5 shards committed" in res.output
     assert read_output("out").height == 45
+
+
+def test_sharded_tasks_report_and_strict_on_their_own_rows(tmp_path):
+    # 3 shards of 10 rows; both bad rows are in shard 0 (task 0/2 owns shards 0 and 2).
+    job = bad_input(tmp_path)
+    first = invoke("run", str(job), "--shard", "0/2", "--strict")
+    assert first.exit_code == 1
+    assert "rows of task 0/2: 18 ok, 2 error(s)" in first.output
+    assert "2 row(s) of task 0/2 ended as error records" in first.output
+    # Task 1/2 owns shard 1 alone, which is clean: task 0/2's errors neither fail nor show in it,
+    # though it completes the job and prints the job's totals.
+    last = invoke("run", str(job), "--shard", "1/2", "--strict")
+    assert last.exit_code == 0, last.output
+    assert "rows of task 1/2: 10 ok, 0 error(s)" in last.output
+    assert "ended as error records" not in last.output
+    assert "job (all tasks): 3/3 shards committed, rows: 28 ok, 2 error(s)" in last.output
+    assert "_SUCCESS written" in last.output
+    # A resumed task counts the rows its earlier runs committed.
+    again = invoke("run", str(job), "--shard", "0/2", "--strict")
+    assert again.exit_code == 1 and "already done: 2" in again.output
+    assert "2 row(s) of task 0/2 ended as error records" in again.output
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ from batchgen.pipeline.modes import mode_for
 from batchgen.pipeline.progress import Progress
 from batchgen.pipeline.sharding import ShardSelector
 from batchgen.pipeline.signals import EX_TEMPFAIL, GracefulStop, StopFlag
-from batchgen.pipeline.stats import RunStats, summary_lines, write_stats
+from batchgen.pipeline.stats import RunStats, job_totals, summary_lines, write_stats
 from batchgen.planner import Request
 from batchgen.prompts import PromptError, PromptRenderer
 
@@ -33,7 +33,8 @@ from batchgen.prompts import PromptError, PromptRenderer
 class RunResult:
     exit_code: int  # 0 done (row errors included) or 75 interrupted; the CLI applies --strict
     stats: RunStats
-    totals: dict
+    totals: dict  # the whole job's: every committed shard, of every task
+    task_totals: dict  # this task's own shards (committed by this run or an earlier one)
     num_shards: int | None
     complete: bool  # every shard of the whole job is committed (_SUCCESS written)
     lines: list[str] = field(default_factory=list)
@@ -204,7 +205,10 @@ class Runner:
         # Stop signals are caught from the start: one during preparation also exits 75.
         with GracefulStop(self.stop):
             self.prepare()
-            self.stats = RunStats(shards_skipped=sum(map(self.shard.owns, self.committed)))
+            # This task's shards' entries: what it reports and --strict decides on. Other
+            # tasks' rows are theirs to report; a resumed task still counts its earlier runs'.
+            self.own_entries = {k: e for k, e in self.committed.items() if self.shard.owns(k)}
+            self.stats = RunStats(shards_skipped=len(self.own_entries))
             self.progress = Progress(self.progress_enabled)
             self.engine = None
             self.layout = self._layout()
@@ -225,15 +229,15 @@ class Runner:
             lambda: manifest.committed_shards(self.out_dir, self.fingerprint),
             str(self.shard),
         )
-        lines = summary_lines(self.stats, stats["job"], num_shards)
+        task_totals = job_totals(self.own_entries)
+        lines = summary_lines(self.stats, task_totals, stats["job"], num_shards, self.shard)
         if not finished:
             lines.append(
                 f"interrupted by {self.stop.signal_name}: committed shards are kept; "
                 f"run the same command again to resume (exit {EX_TEMPFAIL})"
             )
-        return RunResult(
-            0 if finished else EX_TEMPFAIL, self.stats, stats["job"], num_shards, complete, lines
-        )
+        code = 0 if finished else EX_TEMPFAIL
+        return RunResult(code, self.stats, stats["job"], task_totals, num_shards, complete, lines)
 
     def _layout(self) -> ShardLayout:
         passthrough = tuple(passthrough_dtypes(self.formats, self.job.input.columns, self.log))
@@ -353,4 +357,5 @@ class Runner:
         entry.update(fingerprint=self.fingerprint, rows=shard.rows)
         entry.update(self.mode.totals(shard.results))  # score mode: rows = rows in the file
         manifest.write_entry(self.out_dir, k, entry)
+        self.own_entries[k] = entry
         self.stats.add_shard(entry)

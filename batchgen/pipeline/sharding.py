@@ -21,6 +21,10 @@ class ShardSelector:
     def owns(self, k: int) -> bool:
         return k % self.count == self.index
 
+    def num_owned(self, num_shards: int) -> int:
+        """How many of a job's shards 0 .. num_shards - 1 this task owns."""
+        return len(range(self.index, num_shards, self.count))
+
     @classmethod
     def parse(cls, text: str) -> ShardSelector:
         """Parse 'I/N' (0-based I)."""

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from batchgen.io import manifest
+from batchgen.pipeline.sharding import ShardSelector
 
 
 @dataclass
@@ -84,14 +85,34 @@ def write_stats(
         entries = latest
 
 
-def summary_lines(run: RunStats, totals: dict, num_shards: int | None) -> list[str]:
-    shards = f"{totals['shards']}/{num_shards if num_shards is not None else '?'}"
-    return [
-        f"shards committed: {shards} (this run: {run.shards_committed}, "
+def summary_lines(
+    run: RunStats, task: dict, job: dict, num_shards: int | None, shard: ShardSelector
+) -> list[str]:
+    """The end-of-run summary. Shards, rows and tokens are the task's own shards' (over every
+    run of the task); a task of several adds one line of the job's totals so far, which the
+    task that completes the job prints complete.
+
+    Args:
+        run: this run's counters.
+        task / job: job_totals of the task's committed shards / of every committed shard.
+        num_shards: the job's shard count (None when the input was not read to the end).
+        shard: which shards the task owns.
+    """
+    of = "" if shard.count == 1 else f" of task {shard}"
+    owned = shard.num_owned(num_shards) if num_shards is not None else "?"
+    lines = [
+        f"shards committed: {task['shards']}/{owned}{of} (this run: {run.shards_committed}, "
         f"already done: {run.shards_skipped})",
-        f"rows: {totals['ok']} ok, {totals['errors']} error(s)",
-        f"tokens: {totals['num_prompt_tokens']} prompt ({totals['num_cached_tokens']} cached, "
-        f"hit rate {totals['cache_hit_rate']:.1%}), {totals['num_generated_tokens']} generated",
+        f"rows{of}: {task['ok']} ok, {task['errors']} error(s)",
+        f"tokens{of}: {task['num_prompt_tokens']} prompt ({task['num_cached_tokens']} cached, "
+        f"hit rate {task['cache_hit_rate']:.1%}), {task['num_generated_tokens']} generated",
         f"this run: {run.rows_ok + run.rows_error} rows in {run.wall_s:.1f} s, "
         f"{run.tokens_per_s:.1f} generated tok/s",
     ]
+    if shard.count > 1:
+        total = num_shards if num_shards is not None else "?"
+        lines.append(
+            f"job (all tasks): {job['shards']}/{total} shards committed, rows: {job['ok']} ok, "
+            f"{job['errors']} error(s)"
+        )
+    return lines

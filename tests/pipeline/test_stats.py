@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from batchgen.pipeline.stats import RunStats, write_stats
+from batchgen.pipeline.sharding import ShardSelector
+from batchgen.pipeline.stats import RunStats, job_totals, summary_lines, write_stats
 
 
 def entry(rows: int, generated: int) -> dict:
@@ -50,3 +51,25 @@ def test_stats_written_once_when_nothing_changes(tmp_path):
     stats = write_stats(str(tmp_path), RunStats(), read_entries, "all")
     assert stats["job"]["shards"] == 1 and stats["job"]["num_generated_tokens"] == 5
     assert len(reads) == 2
+
+
+def test_summary_lines_are_the_tasks_with_a_job_line_when_sharded():
+    run = RunStats(shards_committed=1, shards_skipped=1)
+    task = job_totals({0: entry(4, 40), 2: {**entry(4, 4), "ok": 3, "errors": 1}})
+    job = job_totals({0: entry(4, 40), 1: entry(4, 0), 2: {**entry(4, 4), "ok": 3, "errors": 1}})
+    lines = summary_lines(run, task, job, 5, ShardSelector(0, 2))
+    assert lines[0] == "shards committed: 2/3 of task 0/2 (this run: 1, already done: 1)"
+    assert lines[1] == "rows of task 0/2: 7 ok, 1 error(s)"
+    assert lines[2].startswith("tokens of task 0/2: 80 prompt") and "44 generated" in lines[2]
+    assert lines[-1] == "job (all tasks): 3/5 shards committed, rows: 11 ok, 1 error(s)"
+    # Input not read to the end: shard counts unknown.
+    assert summary_lines(run, task, job, None, ShardSelector(1, 2))[0].startswith(
+        "shards committed: 2/? of task 1/2"
+    )
+    # One task is the whole job: no task label, no job line.
+    alone = summary_lines(run, job, job, 3, ShardSelector())
+    assert alone[:2] == [
+        "shards committed: 3/3 (this run: 1, already done: 1)",
+        "rows: 11 ok, 1 error(s)",
+    ]
+    assert len(alone) == 4 and not any("job" in line for line in alone)
