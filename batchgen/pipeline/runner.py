@@ -202,7 +202,9 @@ class Runner:
     def run(self) -> RunResult:
         """Prepare, then process every owned shard not yet committed."""
         start = time.monotonic()
-        # Stop signals are caught from the start: one during preparation also exits 75.
+        # Stop signals are caught from start to end: one during preparation also exits 75, and
+        # one while the totals, _SUCCESS and _stats.json are written neither kills the process
+        # mid-write (a temp file left, no _SUCCESS) nor changes the exit code.
         with GracefulStop(self.stop):
             self.prepare()
             # This task's shards' entries: what it reports and --strict decides on. Other
@@ -216,6 +218,10 @@ class Runner:
                 finished = self._loop()
             finally:
                 self.progress.close()
+            return self._finish(finished, start)
+
+    def _finish(self, finished: bool, start: float) -> RunResult:
+        """Record the job's totals, _SUCCESS if every shard is done, and the run's stats."""
         self.stats.wall_s = time.monotonic() - start
         num_shards, complete = None, False
         if finished:

@@ -21,6 +21,7 @@ from workspace import (
     write_row_groups,
 )
 
+from batchgen.io import manifest
 from batchgen.job import JobError
 from batchgen.pipeline.runner import Runner
 from batchgen.pipeline.sharding import ShardSelector
@@ -235,6 +236,30 @@ def test_sigterm_while_preparing_exits_75(tmp_path):
 
     result = run(load(make_job(tmp_path, "in.jsonl")), tokenizer_factory=tokenizer_then_sigterm)
     assert result.exit_code == 75 and not result.complete
+
+
+def test_sigterm_while_writing_success_is_caught(tmp_path, monkeypatch):
+    # Every shard is committed; the signal lands while _SUCCESS is written. Uncaught, it ended
+    # the process (exit -15, no _SUCCESS, its temp left for 10 minutes).
+    write_jsonl(tmp_path / "in.jsonl", rows(5))
+    mark_success = manifest.mark_success_if_complete
+
+    def sigterm_then_mark(*args):
+        # Sent only while caught: uncaught, SIGTERM would end the test process itself.
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL, "SIGTERM not caught"
+        os.kill(os.getpid(), signal.SIGTERM)
+        return mark_success(*args)
+
+    monkeypatch.setattr(manifest, "mark_success_if_complete", sigterm_then_mark)
+    result = run(load(make_job(tmp_path, "in.jsonl")))
+    assert result.exit_code == 0 and result.complete
+    assert sorted(os.listdir(tmp_path / "out")) == [
+        "_SUCCESS",
+        "_job.json",
+        "_manifest",
+        "_stats.json",
+        "part-00000.parquet",
+    ]
 
 
 def test_output_path_that_is_a_file_refused(tmp_path):
