@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -77,4 +78,7 @@ def check_done(tasks: list[Task], expected: Expected) -> None:
         run_once(tasks[0], None)
         assert sorted(listing(out)) == sorted(n for n in committed if n not in left)
     check_rows(out, expected)
-    check_status(out, -(-len(expected) // SHARD_ROWS))
+    num_shards = -(-len(expected) // SHARD_ROWS)
+    job = json.loads((out / "_job.json").read_text())
+    assert (job["total_rows"], job["num_shards"]) == (len(expected), num_shards)
+    check_status(out, num_shards)

@@ -163,12 +163,15 @@ def send(proc: subprocess.Popen, sig: signal.Signals) -> bool:
 def run_once(task: Task, kill: Kill | None) -> dict:
     """Start one run, interrupt it as planned, wait for it; check what a single run promises."""
     proc = task.start()
-    sent = interrupt(task, proc, kill) if kill is not None else False
     try:
+        sent = interrupt(task, proc, kill) if kill is not None else False
         output = proc.communicate(timeout=RUN_TIMEOUT_S)[0].decode(errors="replace")
     except subprocess.TimeoutExpired:
-        proc.kill()
         raise AssertionError(f"run did not end in {RUN_TIMEOUT_S} s") from None
+    finally:
+        if proc.poll() is None:  # the test failed: leave no run behind
+            proc.kill()
+            proc.wait()
     rc = proc.returncode
     record = {"pid": proc.pid, "kill": kill if sent else None, "rc": rc}
     task.log.append(record)
