@@ -10,7 +10,7 @@ import sys
 import click
 
 from batchgen.job import JobError, load_job
-from batchgen.pipeline.signals import EX_TEMPFAIL
+from batchgen.pipeline.signals import EX_TEMPFAIL, GracefulStop, StopFlag
 
 EXIT_OK, EXIT_ROW_ERRORS, EXIT_BAD_JOB = 0, 1, 2
 
@@ -85,22 +85,39 @@ def run(job_file, overrides, overwrite, strict, shard, progress) -> None:
     with --strict, 2 bad job or usage, 75 interrupted by SIGTERM/SIGUSR1/SIGINT (run again to
     resume).
     """
-    from batchgen.pipeline.runner import Runner
-    from batchgen.pipeline.sharding import ShardSelector
+    # Stop signals are caught from here, before torch is imported (about a second), to the
+    # command's end: a Slurm preemption while the run starts up exits 75 (requeue), not -15,
+    # and one after the run has finished changes nothing.
+    stop = StopFlag()
+    with GracefulStop(stop):
+        from batchgen.pipeline.runner import Runner
+        from batchgen.pipeline.sharding import ShardSelector
 
-    try:
-        job = load_job(job_file, overrides)
-        selector = ShardSelector.parse(shard or _default_shard() or "0/1")
-        show = sys.stderr.isatty() if progress is None else progress
-        result = Runner(
-            job,
-            shard=selector,
-            overwrite=overwrite,
-            progress=show,
-            log=lambda m: click.echo(m, err=True),
-        ).run()
-    except JobError as e:
-        _fail(str(e))
+        try:
+            job = load_job(job_file, overrides)
+            selector = ShardSelector.parse(shard or _default_shard() or "0/1")
+            show = sys.stderr.isatty() if progress is None else progress
+            if stop.is_set():  # stopped while starting up: nothing was written yet
+                click.echo(
+                    f"interrupted by {stop.signal_name} before the run started; run the same "
+                    f"command again (exit {EX_TEMPFAIL})"
+                )
+                sys.exit(EX_TEMPFAIL)
+            result = Runner(
+                job,
+                shard=selector,
+                overwrite=overwrite,
+                progress=show,
+                log=lambda m: click.echo(m, err=True),
+                stop=stop,
+            ).run()
+        except JobError as e:
+            _fail(str(e))
+        _report(result, job, selector, strict)
+
+
+def _report(result, job, selector, strict: bool) -> None:
+    """Print a finished or stopped run's summary and exit with its code."""
     for line in result.lines:
         click.echo(line)
     if result.exit_code == EX_TEMPFAIL:

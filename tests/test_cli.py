@@ -264,3 +264,52 @@ def test_validate_counts_rows_the_engine_would_refuse(tmp_path):
     assert df["error_code"].to_list() == [None] + ["bad_params"] * 3 + ["prompt_too_long", None]
     for message in df["error"].drop_nulls():  # each one validate printed
         assert f"] {message}" in res.output
+
+
+def _stop_while_starting(monkeypatch, when):
+    """Deliver SIGTERM to this process once, at `when` ("job": while the job loads, before the
+    runner exists; "runner": as the Runner is built), asserting first that a handler is there
+    to catch it: without one the default action would end the test process."""
+    import signal
+
+    from batchgen.pipeline import runner as runner_mod
+
+    fired = []
+
+    def deliver():
+        if not fired:
+            fired.append(True)
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
+            signal.raise_signal(signal.SIGTERM)
+
+    if when == "job":
+        real_load = cli.load_job
+
+        def load(*args):
+            deliver()
+            return real_load(*args)
+
+        monkeypatch.setattr(cli, "load_job", load)
+    else:
+        real_init = runner_mod.Runner.__init__
+
+        def init(self, *args, **kwargs):
+            deliver()
+            real_init(self, *args, **kwargs)
+
+        monkeypatch.setattr(runner_mod.Runner, "__init__", init)
+
+
+@pytest.mark.parametrize("when", ["job", "runner"])
+def test_stop_signal_while_starting_up_exits_75(tmp_path, monkeypatch, when):
+    write_jsonl(tmp_path / "in.jsonl", rows(12))
+    job = make_job(tmp_path, "in.jsonl", output={"shard_rows": 5})
+    _stop_while_starting(monkeypatch, when)
+    res = invoke("run", str(job))
+    assert res.exit_code == 75, res.output
+    assert "interrupted by SIGTERM" in res.output
+    assert not list((tmp_path / "out").glob("part-*"))
+    # The rerun (no signal this time) does the whole job.
+    res = invoke("run", str(job))
+    assert res.exit_code == 0 and "_SUCCESS written" in res.output
+    assert len(read_output(tmp_path / "out")) == 12

@@ -6,9 +6,9 @@ import sys
 
 import click
 
-from batchgen.bench.random_model import PRESET_NAMES
 from batchgen.bench.workloads import WORKLOADS
 from batchgen.config import ConfigError, EngineConfig
+from batchgen.models.presets import PRESET_NAMES
 
 
 @click.command("bench")

@@ -10,11 +10,10 @@ from torch import nn
 
 from batchgen.models.config import ModelConfig
 from batchgen.models.loader import build_model
-from batchgen.models.presets import BENCH_PRESETS, TINY_PRESETS
+from batchgen.models.presets import BENCH_PRESETS, PRESET_NAMES, TINY_PRESETS
 
 # The `tiny` preset: the tiny Llama shape with a small vocabulary, for CPU smoke runs.
 TINY_VOCAB = 512
-PRESET_NAMES = (*BENCH_PRESETS, "tiny")
 _INIT_STD = 0.02  # HF initializer_range: activations stay finite in bf16 over 28-32 layers
 
 

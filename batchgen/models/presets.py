@@ -96,3 +96,7 @@ BENCH_PRESETS: dict[str, dict[str, Any]] = {
         "eos_token_id": [128001, 128008, 128009],
     },
 }
+
+# Names `batchgen bench --model-preset` takes: the benchmark architectures, and `tiny` (the tiny
+# Llama shape with a small vocabulary, for CPU smoke runs; built in bench/random_model.py).
+PRESET_NAMES = (*BENCH_PRESETS, "tiny")
