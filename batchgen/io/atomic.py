@@ -2,16 +2,38 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
+import socket
 
 TMP_MARK = ".tmp-"
+# Six hex digits naming this host, the first part of a temp name's hex: a later run on the
+# same host can then tell a dead writer's leftover (its pid is gone) from a write in progress.
+HOST_TAG = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:6]
 
 
 def temp_path(final: str) -> str:
-    """A unique temp name next to `final` (same filesystem, so the rename is atomic)."""
+    """A unique temp name next to `final` (same filesystem, so the rename is atomic):
+    "." + name + ".tmp-<pid>-<host tag><6 random hex>"."""
     head, name = os.path.split(final)
-    return os.path.join(head, f".{name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+    token = HOST_TAG + secrets.token_hex(3)
+    return os.path.join(head, f".{name}{TMP_MARK}{os.getpid()}-{token}")
+
+
+def writer_is_gone(pid: int, token: str) -> bool:
+    """Whether the process that named a temp file (its pid and hex token) has certainly ended:
+    it ran on this host (the token starts with HOST_TAG) and no process has that pid now. A
+    pid reused since then only makes this answer False, never wrongly True."""
+    if not token.startswith(HOST_TAG) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # exists, owned by someone else
+    return False
 
 
 def fsync_dir(path: str) -> None:

@@ -24,13 +24,13 @@ MANIFEST_DIR = "_manifest"
 SUCCESS_FILE = "_SUCCESS"
 STATS_FILE = "_stats.json"
 # The exact names batchgen writes: shard files, their manifest entries, and the temp files of
-# either (atomic.temp_path: "." + name + ".tmp-<pid>-<8 hex>"). Nothing else is ever deleted.
+# either (atomic.temp_path: "." + name + ".tmp-<pid>-<hex>"). Nothing else is ever deleted.
 _SHARD = re.compile(r"^part-(\d{5})\.(parquet|jsonl)$")
 _ENTRY = re.compile(r"^part-(\d{5})\.json$")
 _TEMP = re.compile(
     r"^\.(part-(\d{5})\.(parquet|jsonl|json)|_job\.json|_stats\.json|_SUCCESS)"
     + re.escape(atomic.TMP_MARK)
-    + r"\d+-[0-9a-f]+$"
+    + r"(?P<pid>\d+)-(?P<token>[0-9a-f]+)$"
 )
 
 
@@ -97,13 +97,15 @@ def committed_shards(out_dir: str, fingerprint: str) -> dict[int, dict]:
 
 
 # A temp of a shared file (_job.json, _stats.json, _SUCCESS) may be another task's write in
-# progress; one this old is a crash's leftover (such a write takes milliseconds).
+# progress; one this old is a crash's leftover (such a write takes milliseconds), and so is one
+# whose writer ran on this host and has ended (atomic.writer_is_gone), at any age.
 STALE_TEMP_S = 600.0
 
 
 def remove_stray_temps(out_dir: str, owns, now: float | None = None) -> list[str]:
     """Delete temp files left by a crash: those of shards this task owns (`owns(k) -> bool`:
-    no other task writes them), and those of the shared files once STALE_TEMP_S old."""
+    no other task writes them), and those of the shared files once STALE_TEMP_S old or once
+    their writer, a process of this host, has ended."""
     now = time.time() if now is None else now
     removed = []
     for d in (out_dir, os.path.join(out_dir, MANIFEST_DIR)):
@@ -119,6 +121,7 @@ def remove_stray_temps(out_dir: str, owns, now: float | None = None) -> list[str
                     stray = now - os.path.getmtime(path) > STALE_TEMP_S
                 except OSError:
                     continue  # renamed into place meanwhile
+                stray = stray or atomic.writer_is_gone(int(m["pid"]), m["token"])
             if stray:
                 try:
                     os.unlink(path)

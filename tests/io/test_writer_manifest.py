@@ -94,3 +94,28 @@ def test_shared_file_temps_removed_only_when_stale(tmp_path):
     stale = mtime + manifest.STALE_TEMP_S + 1
     assert sorted(manifest.remove_stray_temps(out, lambda k: False, now=stale)) == sorted(names)
     assert os.listdir(out) == []
+
+
+def test_shared_file_temp_of_an_ended_writer_on_this_host_goes_at_once(tmp_path):
+    import subprocess
+    import sys
+
+    from batchgen.io import atomic
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    dead_pid = int(ended.stdout)
+    tag = atomic.HOST_TAG
+    other = "0" * 6 if tag != "0" * 6 else "1" * 6
+    gone = f"._SUCCESS.tmp-{dead_pid}-{tag}abcdef"  # this host, writer ended
+    alive = f"._job.json.tmp-{os.getpid()}-{tag}abcdef"  # this host, writer running (us)
+    elsewhere = f"._stats.json.tmp-{dead_pid}-{other}abcdef"  # another host: age decides
+    for name in (gone, alive, elsewhere):
+        (tmp_path / name).write_text("x")
+    mtime = os.path.getmtime(tmp_path / gone)
+    assert manifest.remove_stray_temps(str(tmp_path), lambda k: False, now=mtime + 5) == [gone]
+    assert sorted(os.listdir(tmp_path)) == sorted([alive, elsewhere])
+    # The temp names batchgen writes carry this host's tag, and match the cleanup's pattern.
+    name = os.path.basename(atomic.temp_path(str(tmp_path / "_SUCCESS")))
+    assert name.startswith(f"._SUCCESS.tmp-{os.getpid()}-{tag}")
+    assert manifest._TEMP.match(name)
