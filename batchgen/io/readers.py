@@ -12,6 +12,7 @@ import polars as pl
 
 from batchgen.io.json_line import BOM, NotText, loads
 from batchgen.io.parquet_chunks import Piece, read_chunks
+from batchgen.io.parquet_schema import parquet_schema
 from batchgen.io.rows import InputRow
 from batchgen.job import InputSpec, JobError
 from batchgen.short_repr import short_repr
@@ -112,7 +113,7 @@ def check_columns(files: list[str], spec: InputSpec, needed: list[str]) -> None:
         fmt = file_format(path, spec.format)
         if fmt == "parquet":
             try:
-                schema = pl.read_parquet_schema(path)
+                schema = parquet_schema(path)
             except Exception as e:
                 raise JobError(f"input.path: {path} is not readable Parquet ({e})") from None
             names = set(schema)

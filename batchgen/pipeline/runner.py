@@ -10,9 +10,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import polars as pl
-
 from batchgen.io import manifest
+from batchgen.io.parquet_schema import parquet_schema
 from batchgen.io.readers import file_format, resolve_inputs
 from batchgen.io.rows import InputRow, ResultRow
 from batchgen.io.writer import ShardLayout, write_shard
@@ -55,7 +54,7 @@ def passthrough_dtypes(formats: dict[str, str], columns, log) -> list[tuple[str,
     found: dict[str, dict[object, str]] = {c: {} for c in columns}
     parquet_only = all(fmt == "parquet" for fmt in formats.values())
     for f in formats if parquet_only else ():
-        schema = pl.read_parquet_schema(f)
+        schema = parquet_schema(f)
         for c in columns:
             if c in schema:
                 found[c].setdefault(schema[c], f)
