@@ -90,14 +90,29 @@ def check_length(
     num_prompt_tokens: int, max_tokens: int, max_model_len: int
 ) -> RequestError | None:
     """prompt_too_long if prompt + max_tokens exceeds max_model_len."""
+    return length_error(
+        describe_length(num_prompt_tokens, max_tokens),
+        num_prompt_tokens + max_tokens,
+        max_model_len,
+        "shorten the prompt or lower max_tokens",
+    )
+
+
+def describe_length(num_prompt_tokens: int, max_tokens: int) -> str:
+    """How long a generation request can get, as its errors quote it."""
     total = num_prompt_tokens + max_tokens
+    return f"prompt has {num_prompt_tokens} tokens + max_tokens {max_tokens} = {total}"
+
+
+def length_error(what: str, total: int, max_model_len: int, fix: str) -> RequestError | None:
+    """prompt_too_long if a request of `total` tokens (described by `what`) exceeds
+    max_model_len; `fix` says what the user can change (generation and score requests)."""
     if total <= max_model_len:
         return None
     return RequestError(
         "prompt_too_long",
-        f"prompt has {num_prompt_tokens} tokens + max_tokens {max_tokens} = {total}, more than "
-        f"max_model_len={max_model_len}; shorten the prompt or lower max_tokens, or raise "
-        "max_model_len if the model supports it",
+        f"{what}, more than max_model_len={max_model_len}; {fix}, or raise max_model_len if "
+        "the model supports it",
     )
 
 

@@ -9,7 +9,7 @@ from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.prompt_allowance import PromptAllowance, admission_order, remaining_steps
 from batchgen.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from batchgen.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
-from batchgen.request_checks import check_length
+from batchgen.request_checks import check_length, describe_length, length_error
 
 
 class AddError(NamedTuple):
@@ -125,24 +125,17 @@ class Scheduler:
         return None
 
     def check_servable(self, seq: Sequence) -> AddError | None:
+        # The generation length check is the planner's too (request_checks), so `batchgen
+        # validate` predicts it; the score planner checks prompt + candidate before this.
         if seq.is_score:
-            total = seq.num_tokens
-            what = f"prompt + candidate has {total} tokens"
-            if total > self.max_model_len:
-                return AddError(
-                    "prompt_too_long",
-                    f"{what}, more than max_model_len={self.max_model_len}; shorten the input, "
-                    "or raise max_model_len if the model supports it",
-                )
+            what = f"prompt + candidate has {seq.num_tokens} tokens"
+            error = length_error(what, seq.num_tokens, self.max_model_len, "shorten the input")
         else:
-            # The planner runs the same check on every row, so `batchgen validate` predicts it.
-            error = check_length(seq.num_prompt_tokens, seq.params.max_tokens, self.max_model_len)
-            if error is not None:
-                return AddError(error.code, error.message)
-            what = (
-                f"prompt has {seq.num_prompt_tokens} tokens + max_tokens "
-                f"{seq.params.max_tokens} = {seq.num_prompt_tokens + seq.params.max_tokens}"
-            )
+            n, m = seq.num_prompt_tokens, seq.params.max_tokens
+            what = describe_length(n, m)
+            error = check_length(n, m, self.max_model_len)
+        if error is not None:
+            return AddError(error.code, error.message)
         bm = self.block_manager
         if not bm.can_ever_fit(seq.max_kv_tokens):
             needed = -(-seq.max_kv_tokens // bm.block_size)

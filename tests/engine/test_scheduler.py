@@ -236,8 +236,16 @@ def test_add_rejects_prompt_too_long_and_cannot_fit():
     assert err.code == "cannot_fit" and "num_kv_blocks" in err.message and "4" in err.message
     assert sched.add(gen(2, range(10), max_tokens=7)) is None  # 16 KV tokens: exactly fits
     score = Sequence(3, "s", list(range(21)), SamplingParams(), score_from=10)
-    assert sched.add(score).code == "prompt_too_long"
+    assert sched.add(score) == (
+        "prompt_too_long",
+        "prompt + candidate has 21 tokens, more than max_model_len=20; shorten the input, or "
+        "raise max_model_len if the model supports it",
+    )
     assert sched.num_waiting == 1
+    assert sched.add(gen(4, range(15), max_tokens=6)).message == (
+        "prompt has 15 tokens + max_tokens 6 = 21, more than max_model_len=20; shorten the "
+        "prompt or lower max_tokens, or raise max_model_len if the model supports it"
+    )
 
 
 @pytest.mark.parametrize("caching", [True, False])
