@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import check_dtype, check_launchable, pow2, tl, triton
+from .launch import check_dtype, check_launchable, pdl_prologue, pow2, tl, triton, use_pdl
 from .rms_norm import check_rms_rows, rms_scale_rows_ref, row_rms_scale
 
 _BLOCK = 1024
@@ -17,12 +17,14 @@ _BLOCK_RMS = 4096
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, rms_ptr, stride_x, stride_out, stride_rms, I, num_col_blocks, rms_eps,
     BLOCK: tl.constexpr, ROW_RMS: tl.constexpr, HID: tl.constexpr, BLOCK_HID: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Program p: row t = p // num_col_blocks, columns [j*BLOCK, (j+1)*BLOCK) of gate and up,
     # j = p % num_col_blocks (the blocks of one row run side by side, so with ROW_RMS the
     # hidden row they all read stays in L2). ROW_RMS: gate_up came from the un-normalised
     # hidden rows rms_ptr [T, HID] (the RMSNorm weight folded into the projection), so gate and
     # up are first scaled by 1 / RMS of row t and rounded, as the normalised input would give.
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     t = (pid // num_col_blocks).to(tl.int64)
     cols = (pid % num_col_blocks) * BLOCK + tl.arange(0, BLOCK)
@@ -78,11 +80,12 @@ def silu_and_mul(
     block = min(_BLOCK_RMS, pow2(I)) if row_rms else _BLOCK
     hid = rms_rows.shape[1] if row_rms else 1
     num_col_blocks = triton.cdiv(I, block)
+    pdl = use_pdl(x.device)
     _silu_and_mul_kernel[(T * num_col_blocks,)](
         x, out, rms_rows if row_rms else x, x.stride(0), out.stride(0),
         rms_rows.stride(0) if row_rms else 0, I, num_col_blocks, rms_eps,
-        BLOCK=block, ROW_RMS=row_rms, HID=hid, BLOCK_HID=pow2(hid),
-        num_warps=8 if block >= 2048 else 4,
+        BLOCK=block, ROW_RMS=row_rms, HID=hid, BLOCK_HID=pow2(hid), USE_PDL=pdl,
+        num_warps=8 if block >= 2048 else 4, launch_pdl=pdl,
     )  # fmt: skip
     return out
 

@@ -12,9 +12,11 @@ from .launch import (
     check_out,
     interpreting,
     num_sms,
+    pdl_prologue,
     pow2,
     tl,
     triton,
+    use_pdl,
 )
 from .paged_attention import causal_attention_ref, gather_kv_ref
 
@@ -43,7 +45,7 @@ def _decode_split_kernel(
     qk_scale, NUM_SPLITS,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Grid (B, Hk, NUM_SPLITS), or (Hk, B, NUM_SPLITS) with HEADS_FIRST so that programs
     # running side by side read the neighbouring kv heads of the same cache slots (a slot holds
@@ -53,6 +55,7 @@ def _decode_split_kernel(
     # log2-sum-exp go to part_acc [B, Hq, S, D] / part_lse [B, Hq, S] for the reduce kernel.
     # NUM_SPLITS is a runtime value: the split count varies with the batch, and a compile per
     # count would land in the middle of a run.
+    pdl_prologue(USE_PDL)
     if HEADS_FIRST:
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -121,8 +124,10 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     part_acc_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, NUM_SPLITS,
     HQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Grid (B, Hq): combine the NUM_SPLITS partials of one (sequence, q head).
+    pdl_prologue(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -269,6 +274,7 @@ def launch_decode(
     else:
         part_acc = part_lse = out
     grid = (HK, B, num_splits) if heads_first else (B, HK, num_splits)
+    pdl = use_pdl(q.device)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, seq_lens, block_tables, out, part_acc, part_lse,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
@@ -277,13 +283,13 @@ def launch_decode(
         GROUP=group, BLOCK_G=max(16, pow2(group)), HEAD_DIM=D, BLOCK_D=pow2(D),
         BLOCK_N=block_n, PAGE_SIZE=bs,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEADS_FIRST=heads_first,
-        num_warps=num_warps, num_stages=num_stages,
+        USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(B, HQ)](
             part_acc, part_lse, out, out.stride(0), out.stride(1), num_splits,
             HQ=HQ, HEAD_DIM=D, BLOCK_D=pow2(D), BLOCK_S=pow2(max(num_splits, _MAX_SPLITS)),
-            num_warps=4 if D >= 128 else 2,
+            USE_PDL=pdl, num_warps=4 if D >= 128 else 2, launch_pdl=pdl,
         )  # fmt: skip
     return out
 

@@ -39,6 +39,11 @@ except ImportError:
     triton = tl = _MissingTriton()
     HAS_TRITON = False
 
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # no Triton, or one without grid dependency control
+    gdc_launch_dependents = gdc_wait = None
+
 __all__ = [
     "HAS_TRITON",
     "KERNEL_DTYPES",
@@ -48,13 +53,23 @@ __all__ = [
     "check_out",
     "interpreting",
     "num_sms",
+    "pdl_prologue",
     "pow2",
+    "use_pdl",
     "tl",
     "triton",
 ]
 
 # Activation / KV dtypes the kernels are built and tested for.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# Programmatic dependent launch (Hopper and later): the per-layer kernels of a step that follow
+# another kernel on the stream are launched so that the GPU may start them while that kernel
+# drains; each waits (griddepcontrol.wait, in pdl_prologue) for it to finish before touching
+# memory, so results are the same, and only the launch gap between the two is hidden. 0 turns
+# it off.
+PDL = 1
 
 
 def interpreting() -> bool:
@@ -119,3 +134,31 @@ def num_sms(device: torch.device) -> int:
 def pow2(n: int) -> int:
     """The smallest power of two >= n (and >= 1)."""
     return 1 << max(int(n) - 1, 0).bit_length()
+
+
+@functools.lru_cache(maxsize=8)
+def _has_pdl(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether launches on `device` use programmatic dependent launch: PDL is on, the device is
+    a CUDA GPU of compute capability 9 or later, and Triton has grid dependency control (never
+    under the interpreter). Pass it as the kernel's USE_PDL and as `launch_pdl`."""
+    return (
+        bool(PDL)
+        and gdc_wait is not None
+        and device.type == "cuda"
+        and not interpreting()
+        and _has_pdl(device)
+    )
+
+
+@triton.jit
+def pdl_prologue(USE_PDL: tl.constexpr):
+    # First statement of a kernel launched with launch_pdl: wait until the kernel before it on
+    # the stream has finished and its writes are visible, then let the next one launch (its
+    # programs only take SM room this grid's own have left, since all of ours have started).
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()

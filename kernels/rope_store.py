@@ -12,7 +12,16 @@ from __future__ import annotations
 import torch
 
 from .kv_cache import store_kvcache_ref
-from .launch import check_caches, check_dtype, check_launchable, pow2, tl, triton
+from .launch import (
+    check_caches,
+    check_dtype,
+    check_launchable,
+    pdl_prologue,
+    pow2,
+    tl,
+    triton,
+    use_pdl,
+)
 from .rms_norm import check_rms_rows, rms_norm_ref, rms_scale_rows_ref, row_rms_scale
 from .rotary import check_positions_and_table, rotary_embedding_ref
 
@@ -58,12 +67,14 @@ def _rope_store_kv_kernel(
     HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_KV: tl.constexpr,
     QK_NORM: tl.constexpr, ROW_RMS: tl.constexpr, HID: tl.constexpr, BLOCK_HID: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # One program per token t: its qkv row is [q: HQ * D | k: HK * D | v: HK * D]. q goes to
     # q_out[t]; k and v go to cache slot slot[t] (a [HK, D] row of the [NB, BS, HK, D] caches),
     # unless slot[t] < 0 (padding). ROW_RMS: the projection ran on the un-normalised hidden row
     # t of rms_ptr [T, HID] (its RMSNorm weight folded into the weights), so the whole qkv row
     # is first scaled by that row's 1 / RMS.
+    pdl_prologue(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     row_scale = 1.0
     if ROW_RMS:
@@ -180,6 +191,7 @@ def rope_and_store_kv(
     block_hq, block_half = pow2(num_heads), pow2(D // 2)
     row_rms = rms_rows is not None
     hid = rms_rows.shape[1] if row_rms else 1
+    pdl = use_pdl(qkv.device)
     _rope_store_kv_kernel[(T,)](
         qkv, positions, cos_sin_cache,
         q_norm_weight if norm else qkv, k_norm_weight if norm else qkv,
@@ -188,8 +200,8 @@ def rope_and_store_kv(
         rms_rows.stride(0) if row_rms else 0, eps, rms_eps,
         HQ=num_heads, HK=num_kv_heads, HALF=D // 2, BLOCK_HQ=block_hq,
         BLOCK_HK=pow2(num_kv_heads), BLOCK_HALF=block_half, BLOCK_KV=pow2(num_kv_heads * D),
-        QK_NORM=norm, ROW_RMS=row_rms, HID=hid, BLOCK_HID=pow2(hid),
-        num_warps=4 if block_hq * block_half >= 2048 else 2,
+        QK_NORM=norm, ROW_RMS=row_rms, HID=hid, BLOCK_HID=pow2(hid), USE_PDL=pdl,
+        num_warps=4 if block_hq * block_half >= 2048 else 2, launch_pdl=pdl,
     )  # fmt: skip
     return q_out
 

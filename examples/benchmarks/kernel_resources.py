@@ -39,7 +39,7 @@ def compile_tile(block_n: int, warps: int, stages: int) -> tuple[int, str]:
     signature = dict(zip(names, TYPES)) | {"qk_scale": "fp32", "NUM_SPLITS": "i32"}
     constexprs = dict(
         GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, PAGE_SIZE=16,
-        PRECISION="tf32", HEADS_FIRST=True,
+        PRECISION="tf32", HEADS_FIRST=True, USE_PDL=True,
     )  # fmt: skip
     signature |= {name: "constexpr" for name in constexprs}
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(names))}

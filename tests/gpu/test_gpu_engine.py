@@ -98,6 +98,30 @@ def test_async_scheduling_equals_sync_on_gpu(tiny_model_dir):
     assert {o.finish_reason for o in outs[True]} == {"stop", "length"}
 
 
+def test_programmatic_dependent_launch_changes_no_token(tiny_model_dir, monkeypatch):
+    """Kernels launched with programmatic dependent launch (on by default from Hopper on) give
+    the tokens of plain launches, through decode and mixed-step CUDA graphs and eager steps, in
+    bf16 with grouped kv heads; a kernel that read before its wait could see a half-written
+    input."""
+    from batchgen.kernels import launch
+
+    device = torch.device("cuda")
+    assert launch.use_pdl(device) == (torch.cuda.get_device_capability(device)[0] >= 9)
+    path = tiny_model_dir("llama")
+    batch = prompts(40, seed=4)
+    params = [SamplingParams(max_tokens=16 + 5 * i, temperature=0.0) for i in range(len(batch))]
+    common = dict(
+        dtype="bfloat16", max_model_len=512, num_kv_blocks=1024, max_num_seqs=16,
+        max_num_batched_tokens=256, mixed_chunk_tokens=48,
+    )  # fmt: skip
+    outs = {}
+    for pdl in (1, 0):
+        monkeypatch.setattr(launch, "PDL", pdl)
+        llm = LLM(path, device="cuda", **common)
+        outs[pdl] = [o.token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    assert outs[1] == outs[0]
+
+
 @pytest.mark.parametrize("fold_norms", [True, False], ids=["folded", "unfolded"])
 def test_llama31_8b_shape_bf16_logits_match_transformers(fold_norms, monkeypatch, tmp_path):
     """Our bf16 logits are as close to an fp32 reference as transformers' own bf16 logits,

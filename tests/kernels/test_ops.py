@@ -144,3 +144,18 @@ def test_cuda_ops_match_cpu_references():
         for a, b in pairs:
             torch.testing.assert_close(a.cpu(), b, atol=1e-4, rtol=1e-4, msg=name)
     assert K.use_triton(torch.zeros(1, device="cuda"))
+
+
+def test_programmatic_dependent_launch_only_on_cuda(monkeypatch):
+    """PDL is asked for only on a CUDA device, never under the interpreter, and not at all
+    with launch.PDL = 0 (the GPU test checks that it changes no token where it is on)."""
+    from batchgen.kernels import launch
+
+    assert not launch.use_pdl(torch.device("cpu"))
+    monkeypatch.setattr(launch, "_has_pdl", lambda device: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not launch.use_pdl(torch.device("cuda", 0))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert launch.use_pdl(torch.device("cuda", 0)) == (launch.gdc_wait is not None)
+    monkeypatch.setattr(launch, "PDL", 0)
+    assert not launch.use_pdl(torch.device("cuda", 0))
