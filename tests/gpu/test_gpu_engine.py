@@ -13,6 +13,13 @@ from batchgen import LLM, SamplingParams
 pytestmark = pytest.mark.gpu
 
 
+# Engine settings under which prompts ride in decode steps as mixed chunks (small budget).
+MIXED_STEPS = dict(
+    max_model_len=512, num_kv_blocks=1024, max_num_seqs=16, max_num_batched_tokens=256,
+    mixed_chunk_tokens=48,
+)  # fmt: skip
+
+
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[0] + [rng.randrange(5, 500) for _ in range(rng.randrange(3, 300))] for _ in range(n)]
@@ -51,10 +58,7 @@ def test_mixed_chunk_graphs_equal_eager_steps(tiny_model_dir, arch):
     path = tiny_model_dir(arch)
     batch = prompts(40, seed=2)
     params = [SamplingParams(max_tokens=20 + 3 * i, temperature=0.0) for i in range(len(batch))]
-    common = dict(
-        dtype="float32", max_model_len=512, num_kv_blocks=1024, max_num_seqs=16,
-        max_num_batched_tokens=256, mixed_chunk_tokens=48,
-    )  # fmt: skip
+    common = dict(dtype="float32", **MIXED_STEPS)
     eager_llm = LLM(path, device="cuda", **common)
     eager_llm.engine.runner.mixed_graphs = None
     eager = eager_llm.generate(batch, params, use_tqdm=False)
@@ -110,10 +114,7 @@ def test_programmatic_dependent_launch_changes_no_token(tiny_model_dir, monkeypa
     path = tiny_model_dir("llama")
     batch = prompts(40, seed=4)
     params = [SamplingParams(max_tokens=16 + 5 * i, temperature=0.0) for i in range(len(batch))]
-    common = dict(
-        dtype="bfloat16", max_model_len=512, num_kv_blocks=1024, max_num_seqs=16,
-        max_num_batched_tokens=256, mixed_chunk_tokens=48,
-    )  # fmt: skip
+    common = dict(dtype="bfloat16", **MIXED_STEPS)
     outs = {}
     for pdl in (1, 0):
         monkeypatch.setattr(launch, "PDL", pdl)
