@@ -135,6 +135,10 @@ def test_two_shard_tasks_killed_and_resumed_concurrently(tmp_path, tiny_model_di
         t.join()
     if errors:
         raise errors[0]
+    # The timed SIGKILL (start-up alone outlasts it) and the SIGTERM land. The temp-triggered
+    # kill can miss: with two tasks and their runs on two cores, the poller may not run during
+    # the few ms a temp file lives, and the run then finishes the task (the single-task tests
+    # count those kills).
     for task in tasks:
-        assert landed(task, [SIGKILL]) >= 2 and landed(task, [SIGTERM]) >= 1, task.log
+        assert landed(task, [SIGKILL]) >= 1 and landed(task, [SIGTERM]) >= 1, task.log
     check_done(tasks, expected)
