@@ -127,8 +127,10 @@ def _report(result, job, selector, strict: bool) -> None:
     # The task's own rows: another task's errors are that task's to report (and exit 1 on).
     errors = result.task_totals["errors"]
     if errors:
-        of = "" if selector.count == 1 else f" of task {selector}"
-        click.echo(f"{errors} row(s){of} ended as error records (see columns error, error_code)")
+        click.echo(
+            f"{errors} row(s){selector.task_label()} ended as error records "
+            "(see columns error, error_code)"
+        )
     sys.exit(EXIT_ROW_ERRORS if strict and errors else EXIT_OK)
 
 

@@ -25,6 +25,11 @@ class ShardSelector:
         """How many of a job's shards 0 .. num_shards - 1 this task owns."""
         return len(range(self.index, num_shards, self.count))
 
+    def task_label(self) -> str:
+        """The text ' of task I/N' for one task of several, '' for a run that is the whole job:
+        what the run's summary lines add to the counts that are the task's own."""
+        return "" if self.count == 1 else f" of task {self}"
+
     @classmethod
     def parse(cls, text: str) -> ShardSelector:
         """Parse 'I/N' (0-based I)."""

@@ -98,7 +98,7 @@ def summary_lines(
         num_shards: the job's shard count (None when the input was not read to the end).
         shard: which shards the task owns.
     """
-    of = "" if shard.count == 1 else f" of task {shard}"
+    of = shard.task_label()
     owned = shard.num_owned(num_shards) if num_shards is not None else "?"
     lines = [
         f"shards committed: {task['shards']}/{owned}{of} (this run: {run.shards_committed}, "
