@@ -4,16 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import (
-    check_dtype,
-    check_launchable,
-    early_reads_on,
-    pdl_prologue,
-    pow2,
-    tl,
-    triton,
-    use_pdl,
-)
+from .launch import check_dtype, check_launchable, pdl_prologue, pow2, tl, triton, use_pdl
 from .rms_norm import check_rms_rows, rms_scale_rows_ref, row_rms_scale
 
 _BLOCK = 1024
@@ -26,31 +17,23 @@ _BLOCK_RMS = 4096
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, rms_ptr, stride_x, stride_out, stride_rms, I, num_col_blocks, rms_eps,
     BLOCK: tl.constexpr, ROW_RMS: tl.constexpr, HID: tl.constexpr, BLOCK_HID: tl.constexpr,
-    USE_PDL: tl.constexpr, EARLY: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Program p: row t = p // num_col_blocks, columns [j*BLOCK, (j+1)*BLOCK) of gate and up,
     # j = p % num_col_blocks (the blocks of one row run side by side, so with ROW_RMS the
     # hidden row they all read stays in L2). ROW_RMS: gate_up came from the un-normalised
     # hidden rows rms_ptr [T, HID] (the RMSNorm weight folded into the projection), so gate and
     # up are first scaled by 1 / RMS of row t and rounded, as the normalised input would give.
-    # EARLY (PDL): the hidden row was final before the previous kernel (the gate_up
-    # projection, which read it) started, so its scale is computed before the wait.
-    if not EARLY:
-        pdl_prologue(USE_PDL)
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     t = (pid // num_col_blocks).to(tl.int64)
     cols = (pid % num_col_blocks) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
-    if EARLY:
-        if ROW_RMS:
-            scale = row_rms_scale(rms_ptr, t, stride_rms, rms_eps, HID, BLOCK_HID)
-        pdl_prologue(USE_PDL)
     row = x_ptr + t * stride_x
     gate = tl.load(row + cols, mask=mask, other=0.0)
     up = tl.load(row + I + cols, mask=mask, other=0.0)
     if ROW_RMS:
-        if not EARLY:
-            scale = row_rms_scale(rms_ptr, t, stride_rms, rms_eps, HID, BLOCK_HID)
+        scale = row_rms_scale(rms_ptr, t, stride_rms, rms_eps, HID, BLOCK_HID)
         gate = (gate.to(tl.float32) * scale).to(gate.dtype)
         up = (up.to(tl.float32) * scale).to(up.dtype)
     g = gate.to(tl.float32)
@@ -68,10 +51,7 @@ def _check_args(op: str, x: torch.Tensor, rms_rows: torch.Tensor | None) -> None
 
 
 def silu_and_mul(
-    x: torch.Tensor,
-    rms_rows: torch.Tensor | None = None,
-    rms_eps: float = 1e-6,
-    early_reads: bool = False,
+    x: torch.Tensor, rms_rows: torch.Tensor | None = None, rms_eps: float = 1e-6
 ) -> torch.Tensor:
     """silu(gate) * up of a fused [gate | up] projection, Triton kernel.
 
@@ -82,9 +62,6 @@ def silu_and_mul(
             folded into its weight: row t of gate and up is first scaled by
             1 / RMS(rms_rows[t]) (fp32, rounded to the dtype). None: x is used as given.
         rms_eps: that RMSNorm's epsilon.
-        early_reads: with PDL, read rms_rows before waiting for the previous kernel: only if
-            they were final before that kernel started (see kernels.launch.EARLY_READS). x is
-            always read after.
 
     Returns:
         [T, I] in x.dtype.
@@ -108,7 +85,7 @@ def silu_and_mul(
         x, out, rms_rows if row_rms else x, x.stride(0), out.stride(0),
         rms_rows.stride(0) if row_rms else 0, I, num_col_blocks, rms_eps,
         BLOCK=block, ROW_RMS=row_rms, HID=hid, BLOCK_HID=pow2(hid), USE_PDL=pdl,
-        EARLY=early_reads_on(pdl, early_reads), num_warps=8 if block >= 2048 else 4, launch_pdl=pdl,
+        num_warps=8 if block >= 2048 else 4, launch_pdl=pdl,
     )  # fmt: skip
     return out
 

@@ -10,12 +10,10 @@ from .launch import (
     check_dtype,
     check_launchable,
     check_out,
-    early_reads_on,
     interpreting,
     num_sms,
     pdl_prologue,
     pow2,
-    prefetch_l2,
     tl,
     triton,
     use_pdl,
@@ -37,9 +35,6 @@ DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 2
 # Launch order of the split kernel's programs: kv heads of one sequence side by side.
 HEADS_FIRST = True
-# With early reads (kernels.launch.EARLY_READS), each split also prefetches its first K/V tile
-# into L2 before the wait. 0 reads only seq_lens early.
-DECODE_PREFETCH = 1
 
 
 @triton.jit
@@ -50,8 +45,7 @@ def _decode_split_kernel(
     qk_scale, NUM_SPLITS,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
-    HEADS_FIRST: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
-    PREFETCH: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Grid (B, Hk, NUM_SPLITS), or (Hk, B, NUM_SPLITS) with HEADS_FIRST so that programs
     # running side by side read the neighbouring kv heads of the same cache slots (a slot holds
@@ -61,12 +55,7 @@ def _decode_split_kernel(
     # log2-sum-exp go to part_acc [B, Hq, S, D] / part_lse [B, Hq, S] for the reduce kernel.
     # NUM_SPLITS is a runtime value: the split count varies with the batch, and a compile per
     # count would land in the middle of a run.
-    # EARLY (PDL): seq_lens and block_tables were final before the previous kernel (this
-    # step's cache write) started, so they are read, and this split's first K/V tile is
-    # prefetched into L2, before the wait, while that kernel drains; q and every K/V value
-    # come after it, so the newest key is the one just written.
-    if not EARLY:
-        pdl_prologue(USE_PDL)
+    pdl_prologue(USE_PDL)
     if HEADS_FIRST:
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -86,14 +75,6 @@ def _decode_split_kernel(
     heads = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
-    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
-    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    if EARLY:
-        if PREFETCH:
-            _prefetch_tile(k_base, v_base, bt_row, n_lo, n_hi, stride_kb, stride_ks, stride_vb,
-                           stride_vs, HEAD_DIM, BLOCK_N, PAGE_SIZE, LINE, LINES)  # fmt: skip
-        pdl_prologue(USE_PDL)
     q_mask = g_mask[:, None] & d_mask[None, :]
     q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=q_mask, other=0.0)
@@ -101,6 +82,9 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     for start_n in range(n_lo, n_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_hi
@@ -134,25 +118,6 @@ def _decode_split_kernel(
         a_ptrs = part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(a_ptrs, acc, mask=q_mask)
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
-
-
-@triton.jit
-def _prefetch_tile(
-    k_base, v_base, bt_row, n_lo, n_hi, stride_kb, stride_ks, stride_vb, stride_vs,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, LINE: tl.constexpr,
-    LINES: tl.constexpr,
-):  # fmt: skip
-    # L2 prefetch of the K and V rows of keys [n_lo, min(n_lo + BLOCK_N, n_hi)): each row's
-    # LINES lines of LINE elements (128 bytes). The block ids it loads are the first tile's,
-    # which the key loop then finds in L1.
-    offs_n = n_lo + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < n_hi
-    blk = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-    slot = offs_n % PAGE_SIZE
-    line = tl.arange(0, LINES)[None, :] * LINE
-    mask = n_mask[:, None] & (line < HEAD_DIM)
-    prefetch_l2(k_base + (blk * stride_kb + slot * stride_ks)[:, None] + line, mask)
-    prefetch_l2(v_base + (blk * stride_vb + slot * stride_vs)[:, None] + line, mask)
 
 
 @triton.jit
@@ -204,7 +169,6 @@ def paged_attention_decode(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = True,
-    early_reads: bool = False,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its whole paged context, Triton kernels.
 
@@ -226,9 +190,6 @@ def paged_attention_decode(
             view into a larger buffer is fine: a mixed step's decode rows); None allocates it.
         pdl: False launches plainly even where programmatic dependent launch is on
             (kernels.launch.use_pdl).
-        early_reads: with PDL, read seq_lens and block_tables, and prefetch the first keys,
-            before waiting for the previous kernel: only if both were final before that kernel
-            started (see kernels.launch.EARLY_READS). The cache itself is always read after.
 
     Returns:
         out, [B, Hq, D] in q.dtype.
@@ -276,7 +237,7 @@ def paged_attention_decode(
         check_out(op, q, out)
     return launch_decode(
         q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, *_tiles(), out=out,
-        pdl=pdl, early_reads=early_reads,
+        pdl=pdl,
     )  # fmt: skip
 
 
@@ -301,12 +262,10 @@ def launch_decode(
     heads_first: bool = HEADS_FIRST,
     out: torch.Tensor | None = None,
     pdl: bool = True,
-    early_reads: bool = False,
 ) -> torch.Tensor:
     """Launch the split and reduce kernels on checked arguments with explicit tiles (tests,
     benchmarks); out: a checked [B, Hq, D] to write, or None to allocate one; pdl: False
-    launches plainly; early_reads as paged_attention_decode's; paged_attention_decode is the
-    entry point."""
+    launches plainly; paged_attention_decode is the entry point."""
     B, HQ, D = q.shape
     bs, HK = k_cache.shape[1], k_cache.shape[2]
     if out is None:
@@ -321,7 +280,6 @@ def launch_decode(
         part_acc = part_lse = out
     grid = (HK, B, num_splits) if heads_first else (B, HK, num_splits)
     pdl = pdl and use_pdl(q.device)
-    elt = k_cache.element_size()
     _decode_split_kernel[grid](
         q, k_cache, v_cache, seq_lens, block_tables, out, part_acc, part_lse,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
@@ -330,10 +288,7 @@ def launch_decode(
         GROUP=group, BLOCK_G=max(16, pow2(group)), HEAD_DIM=D, BLOCK_D=pow2(D),
         BLOCK_N=block_n, PAGE_SIZE=bs,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEADS_FIRST=heads_first,
-        USE_PDL=pdl, EARLY=early_reads_on(pdl, early_reads), PREFETCH=bool(DECODE_PREFETCH),
-        LINE=128 // elt,
-        LINES=pow2(triton.cdiv(D * elt, 128)), num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=pdl,
+        USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(B, HQ)](

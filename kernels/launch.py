@@ -51,12 +51,10 @@ __all__ = [
     "check_dtype",
     "check_launchable",
     "check_out",
-    "early_reads_on",
     "interpreting",
     "num_sms",
     "pdl_prologue",
     "pow2",
-    "prefetch_l2",
     "use_pdl",
     "tl",
     "triton",
@@ -72,15 +70,6 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # memory, so results are the same, and only the launch gap between the two is hidden. 0 turns
 # it off.
 PDL = 1
-
-# Early reads, with PDL: a launch whose caller passes early_reads=True declares that the inputs
-# its op names (step inputs such as positions, slots, sequence lengths and block tables, and
-# the hidden rows a folded projection ran on) were final before the kernel just before it on
-# the stream started. True in the engine: step inputs are copied in before a step's first
-# kernel, and the hidden rows are the input of that previous kernel, a cuBLAS projection
-# launched plainly. The kernel then reads them before its griddepcontrol.wait, while that
-# kernel drains, and only what the previous kernel wrote after the wait. 0 turns it off.
-EARLY_READS = 1
 
 
 def interpreting() -> bool:
@@ -162,28 +151,6 @@ def use_pdl(device: torch.device) -> bool:
         and device.type == "cuda"
         and not interpreting()
         and _has_pdl(device)
-    )
-
-
-def early_reads_on(pdl: bool, asked: bool) -> bool:
-    """Whether a launch reads its declared-ready inputs before the wait: PDL is used for it,
-    its caller asked (early_reads=True), and EARLY_READS is on. Pass it as the kernel's EARLY."""
-    return pdl and asked and bool(EARLY_READS)
-
-
-@triton.jit
-def prefetch_l2(ptrs, mask):
-    # An L2 prefetch (prefetch.global.L2) of the line holding each pointer of `ptrs` where
-    # `mask` is true: a hint, it delivers nothing to registers, so it is safe even on memory
-    # another kernel is writing (L2 is where the SMs' global memory views meet). Not for the
-    # interpreter (inline PTX).
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [ptrs, mask.to(tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
     )
 
 

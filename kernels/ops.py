@@ -83,18 +83,17 @@ def rope_and_store_kv(
     eps: float = 1e-6,
     rms_rows: torch.Tensor | None = None,
     rms_eps: float = 1e-6,
-    early_reads: bool = False,
 ) -> torch.Tensor:
     """Split qkv [T, (Hq + 2 Hk) * D], RMS-normalise the q/k heads (when the weights are given),
     rotate q and k, store k and v at slot_mapping [T] in the [NB, BS, Hk, D] caches; returns q
     [T, Hq, D]. One kernel on GPU for what rms_norm, rotary_embedding and store_kvcache do.
     With rms_rows [T, H] each qkv row is first scaled by 1 / RMS of that hidden row (an input
-    RMSNorm folded into the projection). early_reads: see kernels/rope_store.py."""
+    RMSNorm folded into the projection)."""
     args = (qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_cache, v_cache,
             slot_mapping, q_norm_weight, k_norm_weight, eps, rms_rows, rms_eps)  # fmt: skip
     if not use_triton(qkv):
         return _rope_store.rope_and_store_kv_ref(*args)
-    return _rope_store.rope_and_store_kv(*args, early_reads=early_reads)
+    return _rope_store.rope_and_store_kv(*args)
 
 
 def rms_scale_rows(y: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -104,17 +103,13 @@ def rms_scale_rows(y: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def silu_and_mul(
-    x: torch.Tensor,
-    rms_rows: torch.Tensor | None = None,
-    rms_eps: float = 1e-6,
-    early_reads: bool = False,
+    x: torch.Tensor, rms_rows: torch.Tensor | None = None, rms_eps: float = 1e-6
 ) -> torch.Tensor:
     """silu(x[:, :I]) * x[:, I:] for x [T, 2I]; returns [T, I]. With rms_rows [T, H] each row
-    of x is first scaled by 1 / RMS of that hidden row (an RMSNorm folded into gate_up).
-    early_reads: see kernels/activation.py."""
+    of x is first scaled by 1 / RMS of that hidden row (an RMSNorm folded into gate_up)."""
     if not use_triton(x):
         return _activation.silu_and_mul_ref(x, rms_rows, rms_eps)
-    return _activation.silu_and_mul(x, rms_rows, rms_eps, early_reads=early_reads)
+    return _activation.silu_and_mul(x, rms_rows, rms_eps)
 
 
 def store_kvcache(
@@ -175,16 +170,14 @@ def paged_attention_decode(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = True,
-    early_reads: bool = False,
 ) -> torch.Tensor:
     """Attention of one new token per sequence, q [B, Hq, D], over its paged context, written
     into out when given; CUDA-graph safe on GPU (pass max_seq_len, a host int, to size the KV
-    splits). pdl=False launches the kernels plainly even where PDL is on; early_reads: see
-    kernels/decode_attention.py."""
+    splits). pdl=False launches the kernels plainly even where PDL is on."""
     args = (q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, max_seq_len)
     if not use_triton(q):
         return _decode.paged_attention_decode_ref(*args, out=out)
-    return _decode.paged_attention_decode(*args, out=out, pdl=pdl, early_reads=early_reads)
+    return _decode.paged_attention_decode(*args, out=out, pdl=pdl)
 
 
 def sample_gumbel(

@@ -16,7 +16,6 @@ from .launch import (
     check_caches,
     check_dtype,
     check_launchable,
-    early_reads_on,
     pdl_prologue,
     pow2,
     tl,
@@ -68,17 +67,14 @@ def _rope_store_kv_kernel(
     HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_KV: tl.constexpr,
     QK_NORM: tl.constexpr, ROW_RMS: tl.constexpr, HID: tl.constexpr, BLOCK_HID: tl.constexpr,
-    USE_PDL: tl.constexpr, EARLY: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # One program per token t: its qkv row is [q: HQ * D | k: HK * D | v: HK * D]. q goes to
     # q_out[t]; k and v go to cache slot slot[t] (a [HK, D] row of the [NB, BS, HK, D] caches),
     # unless slot[t] < 0 (padding). ROW_RMS: the projection ran on the un-normalised hidden row
     # t of rms_ptr [T, HID] (its RMSNorm weight folded into the weights), so the whole qkv row
-    # is first scaled by that row's 1 / RMS. EARLY (PDL): the hidden row, position and slot
-    # were final before the previous kernel (the qkv projection, which read the hidden rows)
-    # started, so the row scale, cos/sin and slot are read before the wait, while it drains.
-    if not EARLY:
-        pdl_prologue(USE_PDL)
+    # is first scaled by that row's 1 / RMS.
+    pdl_prologue(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     row_scale = 1.0
     if ROW_RMS:
@@ -88,14 +84,10 @@ def _rope_store_kv_kernel(
     row = cos_sin_ptr + pos * stride_cos_sin
     cos = tl.load(row + d, mask=d < HALF, other=0.0)[None, :]
     sin = tl.load(row + HALF + d, mask=d < HALF, other=0.0)[None, :]
-    if EARLY:
-        slot = tl.load(slot_ptr + t)
-        pdl_prologue(USE_PDL)
     src = qkv_ptr + t * stride_t
     _norm_rope_heads(src, q_out_ptr + t * stride_qo, q_w_ptr, cos, sin, eps, HQ, row_scale,
                      HALF, BLOCK_HQ, BLOCK_HALF, QK_NORM, ROW_RMS)  # fmt: skip
-    if not EARLY:
-        slot = tl.load(slot_ptr + t)
+    slot = tl.load(slot_ptr + t)
     if slot >= 0:
         kv_row = HK * 2 * HALF
         _norm_rope_heads(src + HQ * 2 * HALF, k_cache_ptr + slot * kv_row, k_w_ptr, cos, sin,
@@ -156,7 +148,6 @@ def rope_and_store_kv(
     eps: float = 1e-6,
     rms_rows: torch.Tensor | None = None,
     rms_eps: float = 1e-6,
-    early_reads: bool = False,
 ) -> torch.Tensor:
     """q/k-norm (optional), rotary and the cache write of a fused qkv projection, one Triton
     kernel; the same values as rms_norm, rotary_embedding and store_kvcache in turn.
@@ -175,9 +166,6 @@ def rope_and_store_kv(
             folded into its weight (see `fold_rms_weight`): every qkv row t is first scaled by
             1 / RMS(rms_rows[t]) (fp32, rounded to the dtype). None: qkv is used as given.
         rms_eps: that RMSNorm's epsilon.
-        early_reads: with PDL, read rms_rows, positions and slot_mapping before waiting for
-            the previous kernel: only if they were final before that kernel started (see
-            kernels.launch.EARLY_READS). qkv is always read after.
 
     Returns:
         q: [T, Hq, D] rotated (and normalised), a new contiguous tensor in qkv's dtype.
@@ -213,7 +201,6 @@ def rope_and_store_kv(
         HQ=num_heads, HK=num_kv_heads, HALF=D // 2, BLOCK_HQ=block_hq,
         BLOCK_HK=pow2(num_kv_heads), BLOCK_HALF=block_half, BLOCK_KV=pow2(num_kv_heads * D),
         QK_NORM=norm, ROW_RMS=row_rms, HID=hid, BLOCK_HID=pow2(hid), USE_PDL=pdl,
-        EARLY=early_reads_on(pdl, early_reads),
         num_warps=4 if block_hq * block_half >= 2048 else 2, launch_pdl=pdl,
     )  # fmt: skip
     return q_out

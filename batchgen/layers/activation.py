@@ -10,13 +10,8 @@ from batchgen.kernels import ops
 
 class SiluAndMul(nn.Module):
     def forward(
-        self,
-        gate_up: torch.Tensor,
-        rms_rows: torch.Tensor | None = None,
-        rms_eps: float = 1e-6,
-        early_reads: bool = False,
+        self, gate_up: torch.Tensor, rms_rows: torch.Tensor | None = None, rms_eps: float = 1e-6
     ) -> torch.Tensor:
         """gate_up: [T, 2I] (gate first, then up) -> [T, I]; rms_rows [T, H]: scale each row by
-        1 / RMS of that hidden row first (a norm folded into gate_up); early_reads: rms_rows
-        is the input of the projection launched just before (kernels.launch.EARLY_READS)."""
-        return ops.silu_and_mul(gate_up, rms_rows, rms_eps, early_reads=early_reads)
+        1 / RMS of that hidden row first (a norm folded into gate_up)."""
+        return ops.silu_and_mul(gate_up, rms_rows, rms_eps)

@@ -109,7 +109,6 @@ class Attention(nn.Module):
             max_seq_len=ctx.max_seqlen_k,
             out=out,
             pdl=pdl,
-            early_reads=True,  # seq_lens, block tables: step inputs, copied in before the step
         )
 
     def _prefill(self, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, ctx, out=None):

@@ -70,7 +70,6 @@ class LlamaAttention(nn.Module):
                 k_cache, v_cache, ctx.slot_mapping, *norms,
                 self.q_norm.eps if self.qk_norm else 1e-6,
                 rms_rows=hidden if folded else None, rms_eps=rms_eps if folded else 1e-6,
-                early_reads=True,  # hidden: qkv's input; positions, slots: step inputs
             )  # fmt: skip
             out = self.attn.attend(q, ctx)  # [T, Hq, D]
         out = out.reshape(num_tokens, self.q_size)
@@ -108,8 +107,7 @@ class LlamaMLP(nn.Module):
         gate_up = linear(hidden, self.gate_up_proj.weight, self.gate_up_proj.bias)
         if rms_eps is None:
             return linear(self.act_fn(gate_up), self.down_proj.weight, self.down_proj.bias)
-        # hidden is gate_up's input: final before that GEMM (launched just before) started.
-        act = self.act_fn(gate_up, rms_rows=hidden, rms_eps=rms_eps, early_reads=True)
+        act = self.act_fn(gate_up, rms_rows=hidden, rms_eps=rms_eps)
         return _add_projection_(hidden, act, self.down_proj)
 
 

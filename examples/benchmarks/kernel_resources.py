@@ -33,15 +33,13 @@ ARGS = (
 TYPES = ["*bf16"] * 3 + ["*i32"] * 2 + ["*bf16"] + ["*fp32"] * 2 + ["i32"] * 11
 
 
-def compile_tile(block_n: int, warps: int, stages: int, early: bool = True) -> tuple[int, str]:
-    """(shared bytes, ptxas's register / spill lines) for one tile choice; early: with the
-    engine's early reads and first-tile L2 prefetch (kernels.launch.EARLY_READS)."""
+def compile_tile(block_n: int, warps: int, stages: int) -> tuple[int, str]:
+    """(shared bytes, ptxas's register / spill lines) for one tile choice."""
     names = ARGS[0] + ARGS[1]
     signature = dict(zip(names, TYPES)) | {"qk_scale": "fp32", "NUM_SPLITS": "i32"}
     constexprs = dict(
         GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, PAGE_SIZE=16,
-        PRECISION="tf32", HEADS_FIRST=True, USE_PDL=True, EARLY=early, PREFETCH=early,
-        LINE=64, LINES=2,
+        PRECISION="tf32", HEADS_FIRST=True, USE_PDL=True,
     )  # fmt: skip
     signature |= {name: "constexpr" for name in constexprs}
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(names))}
@@ -69,12 +67,8 @@ def compile_tile(block_n: int, warps: int, stages: int, early: bool = True) -> t
 def main() -> None:
     tiles = [tuple(map(int, a.split(","))) for a in sys.argv[1:]] or [(64, 4, 3), (128, 4, 2)]
     for block_n, warps, stages in tiles:
-        for early in (False, True):
-            shared, regs = compile_tile(block_n, warps, stages, early)
-            print(
-                f"BLOCK_N {block_n:>3} warps {warps} stages {stages} early reads {early:d}: "
-                f"shared {shared:>6} B; {regs}"
-            )
+        shared, regs = compile_tile(block_n, warps, stages)
+        print(f"BLOCK_N {block_n:>3} warps {warps} stages {stages}: shared {shared:>6} B; {regs}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from batchgen.kernels.activation import silu_and_mul, silu_and_mul_ref
-from batchgen.kernels.launch import KERNEL_DTYPES, use_pdl
+from batchgen.kernels.launch import KERNEL_DTYPES
 
 DTYPES = list(KERNEL_DTYPES)  # every dtype the kernels are built for
 
@@ -66,16 +66,3 @@ def test_silu_and_mul_rejects_bad_rms_rows(device):
         silu_and_mul(x, rms_rows=torch.randn(2, 4, device=device))
     with pytest.raises(ValueError, match="rms_rows dtype"):
         silu_and_mul(x, rms_rows=torch.randn(3, 4, device=device).half())
-
-
-@pytest.mark.gpu
-def test_silu_and_mul_early_reads_change_nothing():
-    # Early reads (kernels.launch.EARLY_READS, with PDL): the row scale computed before the
-    # wait. Bit equal.
-    if not use_pdl(torch.device("cuda")):
-        pytest.skip("programmatic dependent launch needs compute capability 9 or later")
-    x = torch.randn(300, 2 * 14336, device="cuda", dtype=torch.bfloat16)
-    rows = torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16)
-    plain = silu_and_mul(x, rms_rows=rows, rms_eps=1e-5)
-    early = silu_and_mul(x, rms_rows=rows, rms_eps=1e-5, early_reads=True)
-    assert torch.equal(plain, early)

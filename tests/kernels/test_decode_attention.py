@@ -13,7 +13,6 @@ from batchgen.kernels.decode_attention import (
     paged_attention_decode,
     paged_attention_decode_ref,
 )
-from batchgen.kernels.launch import use_pdl
 from batchgen.kernels.paged_attention import paged_attention_ref
 
 DTYPES = [torch.float32, torch.float16]
@@ -172,17 +171,3 @@ def test_decode_rejects_bad_out(device):
         paged_attention_decode(*args, 0.1, out=torch.empty_like(q, dtype=torch.float16))
     with pytest.raises(ValueError, match="contiguous last dim"):
         paged_attention_decode(*args, 0.1, out=torch.empty(2, 4, 64, device=device)[..., ::2])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 7, 96])  # many splits, a few, one
-def test_decode_early_reads_change_nothing(batch):
-    # Early reads (kernels.launch.EARLY_READS, with PDL): seq_lens and block tables read, and
-    # the first K/V tile prefetched into L2, before the wait. Bit equal.
-    if not use_pdl(torch.device("cuda")):
-        pytest.skip("programmatic dependent launch needs compute capability 9 or later")
-    lens = torch.randint(1, 2200, (batch,), generator=torch.Generator().manual_seed(batch))
-    args = make_decode(lens.tolist(), 32, 8, 128, 16, torch.bfloat16, "cuda")
-    plain = paged_attention_decode(*args, 128**-0.5, max_seq_len=2200)
-    early = paged_attention_decode(*args, 128**-0.5, max_seq_len=2200, early_reads=True)
-    assert torch.equal(plain, early)

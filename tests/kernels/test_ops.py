@@ -159,13 +159,3 @@ def test_programmatic_dependent_launch_only_on_cuda(monkeypatch):
     assert launch.use_pdl(torch.device("cuda", 0)) == (launch.gdc_wait is not None)
     monkeypatch.setattr(launch, "PDL", 0)
     assert not launch.use_pdl(torch.device("cuda", 0))
-
-
-def test_early_reads_need_pdl_and_a_caller_who_asks(monkeypatch):
-    from batchgen.kernels import launch
-
-    assert launch.early_reads_on(True, True)
-    assert not launch.early_reads_on(False, True)  # no PDL: no wait to read before
-    assert not launch.early_reads_on(True, False)  # the public ops' default
-    monkeypatch.setattr(launch, "EARLY_READS", 0)
-    assert not launch.early_reads_on(True, True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from batchgen.kernels.kv_cache import store_kvcache
-from batchgen.kernels.launch import KERNEL_DTYPES, use_pdl
+from batchgen.kernels.launch import KERNEL_DTYPES
 from batchgen.kernels.rms_norm import rms_norm
 from batchgen.kernels.rope_store import rope_and_store_kv, rope_and_store_kv_ref
 from batchgen.kernels.rotary import build_cos_sin_cache, rotary_embedding
@@ -150,26 +150,3 @@ def test_rope_and_store_kv_rejects_bad_rms_rows(device):
         rope_and_store_kv(*args, rms_rows=rows.half())
     with pytest.raises(ValueError, match="rms_rows rows must be contiguous"):
         rope_and_store_kv(*args, rms_rows=rows.t().contiguous().t())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_rope_and_store_kv_early_reads_change_nothing(qk_norm):
-    # Early reads (kernels.launch.EARLY_READS, with PDL): the row scale, positions and slots
-    # read before the wait; llama3.1-8b heads, bf16, with a folded norm's row scale. Bit equal.
-    if not use_pdl(torch.device("cuda")):
-        pytest.skip("programmatic dependent launch needs compute capability 9 or later")
-    T = 512
-    args, norms = _case(T, 32, 8, 128, torch.bfloat16, "cuda", qk_norm, nb=T // 8, bs=16)
-    rows = torch.randn(T, 4096, device="cuda", dtype=torch.bfloat16)
-    outs = []
-    for early in (False, True):
-        qkv, positions, cos_sin, hq, hk, k_cache, v_cache, slots = args
-        k_cache, v_cache = k_cache.clone(), v_cache.clone()
-        q = rope_and_store_kv(
-            qkv, positions, cos_sin, hq, hk, k_cache, v_cache, slots, *norms,
-            rms_rows=rows, rms_eps=1e-5, early_reads=early,
-        )  # fmt: skip
-        outs.append((q, k_cache, v_cache))
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
