@@ -14,9 +14,10 @@ from batchgen.engine.step_inputs import StepInputs, pad_block_tables
 from batchgen.layers.context import AttentionContext
 
 
-def bucket_sizes(max_batch: int) -> list[int]:
+def bucket_sizes(max_batch: int, step: int = 16) -> list[int]:
+    """Captured batch sizes: 1, 2, 4, 8, then every `step` rows from 16, and max_batch."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch]
-    sizes += list(range(16, max_batch, 16))
+    sizes += list(range(16, max_batch, step))
     return sorted(set(sizes + [max_batch]))
 
 

@@ -10,7 +10,7 @@ import torch
 from batchgen.config import ConfigError, EngineConfig
 from batchgen.engine.cuda_graph import DecodeGraphs, bucket_sizes
 from batchgen.engine.host_to_device import PinnedStager
-from batchgen.engine.mixed_graph import MixedGraphs
+from batchgen.engine.mixed_graph import MixedGraphs, mixed_bucket_sizes
 from batchgen.engine.prompt_allowance import auto_chunk_tokens
 from batchgen.engine.sampler import Sampler, SamplingBatch
 from batchgen.engine.scheduler_output import ScheduledSequence
@@ -106,7 +106,8 @@ class ModelRunner:
             if self.config.tune_gemms:
                 sizes = bucket_sizes(self.config.max_num_seqs)
                 chunk = self.mixed_chunk_tokens
-                rows = sizes + ([s + chunk for s in sizes] if chunk else [])
+                mixed = mixed_bucket_sizes(self.config.max_num_seqs) if chunk else []
+                rows = sizes + [s + chunk for s in mixed]
                 groups = self.model.projection_groups()
                 self.tune_report = gemm_tuning.tune_projections(groups, rows)
             self.graphs = DecodeGraphs(
@@ -121,7 +122,7 @@ class ModelRunner:
                 self.mixed_graphs = MixedGraphs(
                     self.model,
                     self.kv_caches,
-                    self.graphs.sizes,
+                    mixed_bucket_sizes(self.config.max_num_seqs),
                     self.mixed_chunk_tokens,
                     max_model_len,
                     self.block_size,

@@ -12,7 +12,7 @@ import pytest
 from batchgen.config import EngineConfig
 from batchgen.engine.cuda_graph import bucket_sizes
 from batchgen.engine.llm_engine import LLMEngine
-from batchgen.engine.mixed_graph import MixedGraphs
+from batchgen.engine.mixed_graph import MixedGraphs, mixed_bucket_sizes
 from batchgen.sampling_params import SamplingParams
 
 CHUNK = 24
@@ -46,7 +46,7 @@ def run(path: str, chunk: int, graphs: bool):
         mixed = MixedGraphs(
             runner.model,
             runner.kv_caches,
-            bucket_sizes(config.max_num_seqs),
+            mixed_bucket_sizes(config.max_num_seqs),
             chunk,
             engine.max_model_len,
             config.block_size,
@@ -79,7 +79,7 @@ def test_mixed_graph_layout_equals_eager_steps(tiny_model_dir, arch):
     # Mixed steps ran through the graph layout: decode counts between buckets (padding decode
     # rows), chunks of several prompts, and chunks shorter than P (padding chunk rows).
     assert len(used) > 10
-    assert any(d not in bucket_sizes(256) for d, _, _ in used)
+    assert any(d not in mixed_bucket_sizes(256) for d, _, _ in used)
     assert any(n > 1 for _, n, _ in used)
     assert any(c < CHUNK for _, _, c in used)
     assert all(c <= CHUNK and n <= 4 for _, n, c in used)
@@ -108,3 +108,12 @@ def test_auto_chunk_tokens_by_model_size(tiny_model_dir):
     assert LLMEngine(EngineConfig(**common)).scheduler.mixed_chunk_tokens == 0
     engine = LLMEngine(EngineConfig(mixed_chunk_tokens=24, **common))
     assert engine.runner.mixed_chunk_tokens == engine.scheduler.mixed_chunk_tokens == 24
+
+
+def test_mixed_graphs_bucket_decode_rows_finer():
+    """Mixed graphs pad decode rows to every 8 (their projections run at or past the ridge,
+    where a padded row costs compute); decode graphs to every 16; both end at max_num_seqs."""
+    assert bucket_sizes(256) == [1, 2, 4, 8, *range(16, 256, 16), 256]
+    assert mixed_bucket_sizes(256) == [1, 2, 4, 8, *range(16, 256, 8), 256]
+    assert mixed_bucket_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert set(bucket_sizes(256)) <= set(mixed_bucket_sizes(256))
