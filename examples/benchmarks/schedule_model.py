@@ -39,6 +39,7 @@ from collections import defaultdict
 from batchgen.bench.workloads import nano
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.cuda_graph import bucket_sizes, smallest_bucket
+from batchgen.engine.mixed_graph import mixed_bucket_sizes
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Sequence
 from batchgen.sampling_params import SamplingParams
@@ -59,6 +60,7 @@ OTHER_US_PER_ROW = 2.0  # silu, rope + store, norms, per row
 EAGER_MS = 8.0  # host time an eager step adds (step_kinds.py: launch s of eager steps)
 BLOCKS = 20000
 BUCKETS = bucket_sizes(256)
+MIXED_BUCKETS = mixed_bucket_sizes(256)
 
 
 def proj_ms(m: int) -> float:
@@ -70,14 +72,15 @@ def proj_ms(m: int) -> float:
     raise AssertionError
 
 
-def bucket(d: int) -> int:
-    """The decode graph bucket d decode rows run in (its rows are what the GEMMs see)."""
-    return smallest_bucket(BUCKETS, d) if d else 0
+def bucket(d: int, mixed: bool = False) -> int:
+    """The graph bucket d decode rows run in (its rows are what the GEMMs see); mixed: a mixed
+    step's graph, whose buckets are finer."""
+    return smallest_bucket(MIXED_BUCKETS if mixed else BUCKETS, d) if d else 0
 
 
 def rule(r: int, lo: int, hi: int):
     """P as a function of the decode rows d: fill the step's bucket to r rows, within [lo, hi]."""
-    return lambda d: max(lo, min(hi, (r - bucket(d)) // 16 * 16))
+    return lambda d: max(lo, min(hi, (r - bucket(d, mixed=True)) // 16 * 16))
 
 
 def patch_allowance(sched: Scheduler, chunk_of, first: int = 0) -> None:
@@ -131,7 +134,8 @@ def simulate(chunk, workload, first: int = 0) -> dict:
         p = chunk_of(d)
         if prompt and prompt <= p and chunks <= 4:
             kind = "mixed-graph"
-            ms += proj_ms(bucket(d) + p) + CHUNK_ATTN_MS + OTHER_US_PER_ROW * (d + p) / 1e3
+            ms += proj_ms(bucket(d, mixed=True) + p) + CHUNK_ATTN_MS
+            ms += OTHER_US_PER_ROW * (d + p) / 1e3
             ride[d // 32] += prompt
         elif prompt:
             kind = "eager" if d else "prefill"
