@@ -168,7 +168,6 @@ def paged_attention_decode(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
-    pdl: bool = True,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its whole paged context, Triton kernels.
 
@@ -188,8 +187,6 @@ def paged_attention_decode(
             MB * BS, the most the block tables can hold.
         out: where to write the result, [B, Hq, D] in q.dtype with a contiguous last dim (a
             view into a larger buffer is fine: a mixed step's decode rows); None allocates it.
-        pdl: False launches plainly even where programmatic dependent launch is on
-            (kernels.launch.use_pdl).
 
     Returns:
         out, [B, Hq, D] in q.dtype.
@@ -236,9 +233,8 @@ def paged_attention_decode(
     if out is not None:
         check_out(op, q, out)
     return launch_decode(
-        q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, *_tiles(), out=out,
-        pdl=pdl,
-    )  # fmt: skip
+        q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, *_tiles(), out=out
+    )
 
 
 def _tiles() -> tuple[int, int, int]:
@@ -261,11 +257,10 @@ def launch_decode(
     num_stages,
     heads_first: bool = HEADS_FIRST,
     out: torch.Tensor | None = None,
-    pdl: bool = True,
 ) -> torch.Tensor:
     """Launch the split and reduce kernels on checked arguments with explicit tiles (tests,
-    benchmarks); out: a checked [B, Hq, D] to write, or None to allocate one; pdl: False
-    launches plainly; paged_attention_decode is the entry point."""
+    benchmarks); out: a checked [B, Hq, D] to write, or None to allocate one;
+    paged_attention_decode is the entry point."""
     B, HQ, D = q.shape
     bs, HK = k_cache.shape[1], k_cache.shape[2]
     if out is None:
@@ -279,7 +274,7 @@ def launch_decode(
     else:
         part_acc = part_lse = out
     grid = (HK, B, num_splits) if heads_first else (B, HK, num_splits)
-    pdl = pdl and use_pdl(q.device)
+    pdl = use_pdl(q.device)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, seq_lens, block_tables, out, part_acc, part_lse,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],

@@ -169,15 +169,14 @@ def paged_attention_decode(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
-    pdl: bool = True,
 ) -> torch.Tensor:
     """Attention of one new token per sequence, q [B, Hq, D], over its paged context, written
     into out when given; CUDA-graph safe on GPU (pass max_seq_len, a host int, to size the KV
-    splits). pdl=False launches the kernels plainly even where PDL is on."""
+    splits)."""
     args = (q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, max_seq_len)
     if not use_triton(q):
         return _decode.paged_attention_decode_ref(*args, out=out)
-    return _decode.paged_attention_decode(*args, out=out, pdl=pdl)
+    return _decode.paged_attention_decode(*args, out=out)
 
 
 def sample_gumbel(

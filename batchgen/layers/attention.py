@@ -15,10 +15,6 @@ from batchgen.layers.context import AttentionContext
 # chunk's programs take SM slots the decode kernel's tail leaves idle (llama3.1-8b nano:
 # 14.96 s against 15.06 s without it, one sweep). 0 runs both on the current stream.
 CHUNK_SIDE_STREAM = 1
-# In such a mixed step, whether the decode rows' kernel is launched with programmatic dependent
-# launch (kernels.launch.PDL): early, its programs take SM room before the chunk's kernel on the
-# side stream (which follows the same cache write) is launched.
-MIXED_DECODE_PDL = 1
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -76,11 +72,10 @@ class Attention(nn.Module):
                 out=out[d:],
             )
 
-        def decode(pdl: bool = True):
+        def decode():
             self._decode(
-                q[:d], k_cache, v_cache, ctx.seq_lens[:d], ctx.block_tables[:d], ctx, out=out[:d],
-                pdl=pdl,
-            )  # fmt: skip
+                q[:d], k_cache, v_cache, ctx.seq_lens[:d], ctx.block_tables[:d], ctx, out=out[:d]
+            )
 
         if not (q.is_cuda and CHUNK_SIDE_STREAM):
             decode()
@@ -94,11 +89,11 @@ class Attention(nn.Module):
         side.wait_stream(main)
         with torch.cuda.stream(side):
             chunk()
-        decode(pdl=bool(MIXED_DECODE_PDL))
+        decode()
         main.wait_stream(side)
         return out
 
-    def _decode(self, q, k_cache, v_cache, seq_lens, block_tables, ctx, out=None, pdl=True):
+    def _decode(self, q, k_cache, v_cache, seq_lens, block_tables, ctx, out=None):
         return ops.paged_attention_decode(
             q,
             k_cache,
@@ -108,7 +103,6 @@ class Attention(nn.Module):
             self.scale,
             max_seq_len=ctx.max_seqlen_k,
             out=out,
-            pdl=pdl,
         )
 
     def _prefill(self, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, ctx, out=None):
