@@ -3,8 +3,6 @@ Triton kernels with GQA packing, and the torch reference."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from .launch import (
@@ -21,13 +19,6 @@ from .launch import (
     use_pdl,
 )
 from .paged_attention import causal_attention_ref, gather_kv_ref
-from .rms_norm import row_rms_scale
-from .rope_store import (
-    check_prologue,
-    norm_rope_halves,
-    rope_and_store_kv,
-    rope_and_store_kv_ref,
-)
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 32
@@ -47,62 +38,14 @@ HEADS_FIRST = True
 
 
 @triton.jit
-def _rope_prologue(
-    row_ptr, b, kvh, num_kv_heads, seq_len, n_lo, n_hi, k_base, v_base, stride_ks, stride_vs,
-    pos_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, slot_ptr, rms_ptr, stride_cos_sin, stride_rms,
-    eps, rms_eps,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, HQ: tl.constexpr,
-    QK_NORM: tl.constexpr, ROW_RMS: tl.constexpr, HID: tl.constexpr, BLOCK_HID: tl.constexpr,
-):  # fmt: skip
-    # The prologue of one (sequence b, kv head kvh, split) program over its qkv row at row_ptr
-    # ([q: HQ * D | k: Hk * D | v: Hk * D]): returns its GROUP q heads rotated, as the
-    # [BLOCK_G, HEAD_DIM] tile in the row's dtype (rows past GROUP are 0). The split holding key
-    # seq_len - 1 also stores this token's k (rotated) and v into the cache slot; a padding row
-    # (seq_len 0, or a slot < 0) stores nothing. HEAD_DIM is a power of two here.
-    HALF: tl.constexpr = HEAD_DIM // 2
-    row_scale = 1.0
-    if ROW_RMS:
-        row_scale = row_rms_scale(rms_ptr, b.to(tl.int64), stride_rms, rms_eps, HID, BLOCK_HID)
-    pos = tl.load(pos_ptr + b)
-    dh = tl.arange(0, HALF)
-    cs_row = cos_sin_ptr + pos * stride_cos_sin
-    cos = tl.load(cs_row + dh)[None, :]
-    sin = tl.load(cs_row + HALF + dh)[None, :]
-    q1, q2 = norm_rope_halves(row_ptr + kvh * (GROUP * HEAD_DIM), q_w_ptr, cos, sin, eps, GROUP,
-                              row_scale, HALF, BLOCK_G, HALF, QK_NORM, ROW_RMS)  # fmt: skip
-    dtype = row_ptr.dtype.element_ty
-    # [BLOCK_G, HALF] x 2 -> [BLOCK_G, HALF, 2] -> [BLOCK_G, 2, HALF] -> [BLOCK_G, HEAD_DIM]:
-    # the halves side by side, as the prologue kernel stores them.
-    q = tl.reshape(tl.permute(tl.join(q1.to(dtype), q2.to(dtype)), (0, 2, 1)), (BLOCK_G, HEAD_DIM))
-    slot = tl.load(slot_ptr + b)
-    if (n_lo <= seq_len - 1) & (seq_len - 1 < n_hi) & (slot >= 0):
-        k1, k2 = norm_rope_halves(row_ptr + (HQ + kvh) * HEAD_DIM, k_w_ptr, cos, sin, eps, 1,
-                                  row_scale, HALF, 1, HALF, QK_NORM, ROW_RMS)  # fmt: skip
-        k_dst = k_base + slot * stride_ks + dh[None, :]
-        tl.store(k_dst, k1.to(dtype))
-        tl.store(k_dst + HALF, k2.to(dtype))
-        d = tl.arange(0, HEAD_DIM)
-        v = tl.load(row_ptr + (HQ + num_kv_heads + kvh) * HEAD_DIM + d)
-        if ROW_RMS:
-            v = (v.to(tl.float32) * row_scale).to(v.dtype)
-        tl.store(v_base + slot * stride_vs + d, v)
-    # The key tiles below read the slot just written, from other threads of this program.
-    tl.debug_barrier()
-    return q
-
-
-@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, seq_lens_ptr, block_tables_ptr, out_ptr, part_acc_ptr, part_lse_ptr,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ob, stride_oh,
     qk_scale, NUM_SPLITS,
-    pos_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, slot_ptr, rms_ptr, stride_cos_sin, stride_rms,
-    eps, rms_eps,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
-    HEADS_FIRST: tl.constexpr, USE_PDL: tl.constexpr, ROPE: tl.constexpr, HQ: tl.constexpr,
-    QK_NORM: tl.constexpr, ROW_RMS: tl.constexpr, HID: tl.constexpr, BLOCK_HID: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Grid (B, Hk, NUM_SPLITS), or (Hk, B, NUM_SPLITS) with HEADS_FIRST so that programs
     # running side by side read the neighbouring kv heads of the same cache slots (a slot holds
@@ -112,12 +55,6 @@ def _decode_split_kernel(
     # log2-sum-exp go to part_acc [B, Hq, S, D] / part_lse [B, Hq, S] for the reduce kernel.
     # NUM_SPLITS is a runtime value: the split count varies with the batch, and a compile per
     # count would land in the middle of a run.
-    # ROPE: q_ptr is the fused qkv projection [B, (HQ + 2 Hk) * D] (stride_qb its rows) and
-    # this kernel is also the attention prologue for its rows (rope_store.py): the program
-    # scales its row by 1 / RMS(rms_ptr[b]) (ROW_RMS), normalises (QK_NORM) and rotates its q
-    # heads at position pos_ptr[b], and the program whose split holds the newest key (index
-    # seq_len - 1) writes that key's rotated k and its v to cache slot slot_ptr[b] before it
-    # reads its keys. No separate prologue kernel runs before the decode rows' attention.
     pdl_prologue(USE_PDL)
     if HEADS_FIRST:
         kvh = tl.program_id(0)
@@ -139,22 +76,14 @@ def _decode_split_kernel(
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     q_mask = g_mask[:, None] & d_mask[None, :]
-    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
-    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
-    if ROPE:
-        q = _rope_prologue(
-            q_ptr + b.to(tl.int64) * stride_qb, b, kvh, num_kv_heads, seq_len, n_lo, n_hi,
-            k_base, v_base, stride_ks, stride_vs, pos_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr,
-            slot_ptr, rms_ptr, stride_cos_sin, stride_rms, eps, rms_eps, GROUP, BLOCK_G,
-            HEAD_DIM, HQ, QK_NORM, ROW_RMS, HID, BLOCK_HID,
-        )  # fmt: skip
-    else:
-        q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
 
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     for start_n in range(n_lo, n_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -263,18 +192,6 @@ def paged_attention_decode(
         out, [B, Hq, D] in q.dtype.
     """
     op = "paged_attention_decode"
-    num_splits = _check_decode(
-        op, q, k_cache, v_cache, seq_lens, block_tables, num_splits, max_seq_len, out
-    )
-    return launch_decode(
-        q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, *_tiles(), out=out
-    )
-
-
-def _check_decode(op, q, k_cache, v_cache, seq_lens, block_tables, num_splits, max_seq_len,
-                  out) -> int:  # fmt: skip
-    """Check the decode launch's arguments; returns the split count (num_splits, or one chosen
-    from B, Hk and max_seq_len when None)."""
     if q.dim() != 3:
         raise ValueError(f"{op}: q must be [B, Hq, D], got {tuple(q.shape)}")
     check_caches(op, k_cache, v_cache)
@@ -315,7 +232,9 @@ def _check_decode(op, q, k_cache, v_cache, seq_lens, block_tables, num_splits, m
         raise ValueError(f"{op}: num_splits must be >= 1, got {num_splits}")
     if out is not None:
         check_out(op, q, out)
-    return num_splits
+    return launch_decode(
+        q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, *_tiles(), out=out
+    )
 
 
 def _tiles() -> tuple[int, int, int]:
@@ -338,12 +257,10 @@ def launch_decode(
     num_stages,
     heads_first: bool = HEADS_FIRST,
     out: torch.Tensor | None = None,
-    prologue: DecodePrologue | None = None,
 ) -> torch.Tensor:
     """Launch the split and reduce kernels on checked arguments with explicit tiles (tests,
-    benchmarks); out: a checked [B, Hq, D] to write, or None to allocate one; prologue: q is
-    the q part of a qkv projection, roped (and its k/v stored) by the split kernel itself.
-    paged_attention_decode and rope_store_decode are the entry points."""
+    benchmarks); out: a checked [B, Hq, D] to write, or None to allocate one;
+    paged_attention_decode is the entry point."""
     B, HQ, D = q.shape
     bs, HK = k_cache.shape[1], k_cache.shape[2]
     if out is None:
@@ -358,26 +275,15 @@ def launch_decode(
         part_acc = part_lse = out
     grid = (HK, B, num_splits) if heads_first else (B, HK, num_splits)
     pdl = use_pdl(q.device)
-    p = prologue
-    rope = p is not None
-    norm = rope and p.q_norm_weight is not None
-    row_rms = rope and p.rms_rows is not None
-    hid = p.rms_rows.shape[1] if row_rms else 1
     _decode_split_kernel[grid](
         q, k_cache, v_cache, seq_lens, block_tables, out, part_acc, part_lse,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         scale * _LOG2E, num_splits,
-        p.positions if rope else seq_lens, p.cos_sin_cache if rope else q,
-        p.q_norm_weight if norm else q, p.k_norm_weight if norm else q,
-        p.slot_mapping if rope else seq_lens, p.rms_rows if row_rms else q,
-        p.cos_sin_cache.stride(0) if rope else 0, p.rms_rows.stride(0) if row_rms else 0,
-        p.eps if rope else 0.0, p.rms_eps if rope else 0.0,
         GROUP=group, BLOCK_G=max(16, pow2(group)), HEAD_DIM=D, BLOCK_D=pow2(D),
         BLOCK_N=block_n, PAGE_SIZE=bs,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEADS_FIRST=heads_first,
-        USE_PDL=pdl, ROPE=rope, HQ=HQ, QK_NORM=norm, ROW_RMS=row_rms, HID=hid,
-        BLOCK_HID=pow2(hid), num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(B, HQ)](
@@ -413,101 +319,3 @@ def paged_attention_decode_ref(
         v = gather_kv_ref(v_cache, block_tables[b], seq_len)
         out[b] = causal_attention_ref(q[b : b + 1], k, v, scale)[0]
     return out
-
-
-class DecodePrologue(NamedTuple):
-    """rope_and_store_kv's arguments besides qkv, the head counts and the caches: what the
-    split kernel needs to be its rows' attention prologue too (see rope_store_decode)."""
-
-    positions: torch.Tensor
-    cos_sin_cache: torch.Tensor
-    slot_mapping: torch.Tensor
-    q_norm_weight: torch.Tensor | None
-    k_norm_weight: torch.Tensor | None
-    eps: float
-    rms_rows: torch.Tensor | None
-    rms_eps: float
-
-
-def rope_store_decode(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    rms_rows: torch.Tensor | None = None,
-    rms_eps: float = 1e-6,
-    num_splits: int | None = None,
-    max_seq_len: int | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """rope_and_store_kv then paged_attention_decode on the same B decode rows, with the
-    prologue done inside the split kernel: one kernel (plus the reduce when splitting) where
-    there were two, and no q round trip through memory. A power-of-two head_dim only; other
-    head sizes run the two ops in turn.
-
-    Args: those of rope_and_store_kv (qkv [B, (Hq + 2 Hk) * D], positions, cos_sin_cache,
-        num_heads, num_kv_heads, k_cache, v_cache, slot_mapping, q/k norm weights, eps,
-        rms_rows, rms_eps), then those of paged_attention_decode (seq_lens, block_tables, scale,
-        num_splits, max_seq_len, out). Row b's token sits at position seq_lens[b] - 1: its k/v
-        go to slot_mapping[b], and it attends to all seq_lens[b] keys, itself included.
-
-    Returns:
-        out, [B, Hq, D] in qkv's dtype.
-    """
-    op = "rope_store_decode"
-    check_prologue(op, qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_cache, v_cache,
-                   slot_mapping, q_norm_weight, k_norm_weight, rms_rows)  # fmt: skip
-    B, D = qkv.shape[0], k_cache.shape[3]
-    if D & (D - 1):
-        q = rope_and_store_kv(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_cache,
-                              v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps, rms_rows,
-                              rms_eps)  # fmt: skip
-        return paged_attention_decode(q, k_cache, v_cache, seq_lens, block_tables, scale,
-                                      num_splits, max_seq_len, out)  # fmt: skip
-    q = qkv[:, : num_heads * D].view(B, num_heads, D)  # the q heads, in place in the rows
-    num_splits = _check_decode(
-        op, q, k_cache, v_cache, seq_lens, block_tables, num_splits, max_seq_len, out
-    )
-    prologue = DecodePrologue(positions, cos_sin_cache, slot_mapping, q_norm_weight,
-                              k_norm_weight, eps, rms_rows, rms_eps)  # fmt: skip
-    return launch_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits,
-                         *_tiles(), out=out, prologue=prologue)  # fmt: skip
-
-
-def rope_store_decode_ref(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    rms_rows: torch.Tensor | None = None,
-    rms_eps: float = 1e-6,
-    num_splits: int | None = None,
-    max_seq_len: int | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Torch reference of rope_store_decode: the two references in turn."""
-    q = rope_and_store_kv_ref(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_cache,
-                              v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps, rms_rows,
-                              rms_eps)  # fmt: skip
-    return paged_attention_decode_ref(q, k_cache, v_cache, seq_lens, block_tables, scale,
-                                      num_splits, max_seq_len, out)  # fmt: skip

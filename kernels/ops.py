@@ -26,7 +26,6 @@ __all__ = [
     "rms_norm",
     "rms_scale_rows",
     "rope_and_store_kv",
-    "rope_store_decode",
     "rotary_embedding",
     "sample_gumbel",
     "silu_and_mul",
@@ -178,37 +177,6 @@ def paged_attention_decode(
     if not use_triton(q):
         return _decode.paged_attention_decode_ref(*args, out=out)
     return _decode.paged_attention_decode(*args, out=out)
-
-
-def rope_store_decode(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    rms_rows: torch.Tensor | None = None,
-    rms_eps: float = 1e-6,
-    max_seq_len: int | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """rope_and_store_kv then paged_attention_decode over B decode rows qkv
-    [B, (Hq + 2 Hk) * D]; returns [B, Hq, D] (written into out when given). On GPU the decode
-    kernel does the prologue itself (one kernel fewer a layer); CUDA-graph safe."""
-    args = (qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_cache, v_cache,
-            slot_mapping, seq_lens, block_tables, scale, q_norm_weight, k_norm_weight, eps,
-            rms_rows, rms_eps)  # fmt: skip
-    if not use_triton(qkv):
-        return _decode.rope_store_decode_ref(*args, max_seq_len=max_seq_len, out=out)
-    return _decode.rope_store_decode(*args, max_seq_len=max_seq_len, out=out)
 
 
 def sample_gumbel(

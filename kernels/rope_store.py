@@ -27,17 +27,15 @@ from .rotary import check_positions_and_table, rotary_embedding_ref
 
 
 @triton.jit
-def norm_rope_halves(
-    src, w_ptr, cos, sin, eps, H, row_scale,
+def _norm_rope_heads(
+    src, dst, w_ptr, cos, sin, eps, H, row_scale,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, QK_NORM: tl.constexpr,
     ROW_RMS: tl.constexpr,
 ):  # fmt: skip
-    # H heads of D = 2 * HALF contiguous values at src, as [BLOCK_H, BLOCK_HALF] halves (rows
-    # past H read as 0); cos/sin are [1, BLOCK_HALF] fp32. Returns the rotated halves in fp32,
-    # for the caller to round once to the dtype. Roundings as the unfused kernels: ROW_RMS first
-    # scales the values by row_scale (fp32) and rounds, as a separate kernel would; the norm's
-    # output is rounded to the input dtype, then rotated in fp32. Shared by the prologue kernel
-    # and the decode kernel that folds it in (decode_attention.py), so both round alike.
+    # H heads of D = 2 * HALF contiguous values at src -> dst, as [BLOCK_H, BLOCK_HALF] halves;
+    # cos/sin are [1, BLOCK_HALF] fp32. Roundings as the unfused kernels: the norm's output is
+    # rounded to the input dtype, then rotated in fp32 and rounded once more. ROW_RMS first
+    # scales the values by row_scale (fp32) and rounds, as a separate kernel would.
     heads = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < H) & (d < HALF)
@@ -58,24 +56,8 @@ def norm_rope_halves(
         x2 = (w2 * (h2 * r).to(x2.dtype).to(tl.float32)).to(x2.dtype)
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
-    return a * cos - b * sin, b * cos + a * sin
-
-
-@triton.jit
-def _norm_rope_heads(
-    src, dst, w_ptr, cos, sin, eps, H, row_scale,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, QK_NORM: tl.constexpr,
-    ROW_RMS: tl.constexpr,
-):  # fmt: skip
-    # norm_rope_halves of H heads at src, stored at dst (the same [H, D] layout).
-    r1, r2 = norm_rope_halves(src, w_ptr, cos, sin, eps, H, row_scale, HALF, BLOCK_H,
-                              BLOCK_HALF, QK_NORM, ROW_RMS)  # fmt: skip
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (heads < H) & (d < HALF)
-    offs = heads * (2 * HALF) + d
-    tl.store(dst + offs, r1.to(dst.dtype.element_ty), mask=mask)
-    tl.store(dst + offs + HALF, r2.to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + offs, (a * cos - b * sin).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + offs + HALF, (b * cos + a * sin).to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -152,25 +134,6 @@ def _check_args(op, qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_ca
             raise ValueError(f"{op}: {name} must be [{d}], got {tuple(w.shape)}")
 
 
-def check_prologue(op, qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_cache, v_cache,
-                   slot_mapping, q_norm_weight, k_norm_weight, rms_rows) -> None:  # fmt: skip
-    """The checks of the prologue kernel's launch (shapes, dtypes, strides, devices), shared
-    with the decode kernel that folds it in."""
-    _check_args(op, qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_cache, v_cache,
-                slot_mapping, q_norm_weight, k_norm_weight, rms_rows)  # fmt: skip
-    if qkv.stride(1) != 1 or cos_sin_cache.stride(1) != 1:
-        raise ValueError(f"{op}: qkv and cos_sin_cache rows must be contiguous")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(f"{op}: k_cache and v_cache must be contiguous")
-    check_dtype(op, "qkv", qkv)
-    norm = q_norm_weight is not None
-    if norm and not (q_norm_weight.is_contiguous() and k_norm_weight.is_contiguous()):
-        raise ValueError(f"{op}: norm weights must be contiguous")
-    tensors = [qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping]
-    tensors += [q_norm_weight, k_norm_weight] if norm else []
-    check_launchable(op, *tensors, *([rms_rows] if rms_rows is not None else []))
-
-
 def rope_and_store_kv(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -208,9 +171,19 @@ def rope_and_store_kv(
         q: [T, Hq, D] rotated (and normalised), a new contiguous tensor in qkv's dtype.
     """
     op = "rope_and_store_kv"
-    check_prologue(op, qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_cache, v_cache,
-                   slot_mapping, q_norm_weight, k_norm_weight, rms_rows)  # fmt: skip
+    _check_args(op, qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_cache, v_cache,
+                slot_mapping, q_norm_weight, k_norm_weight, rms_rows)  # fmt: skip
+    if qkv.stride(1) != 1 or cos_sin_cache.stride(1) != 1:
+        raise ValueError(f"{op}: qkv and cos_sin_cache rows must be contiguous")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{op}: k_cache and v_cache must be contiguous")
+    check_dtype(op, "qkv", qkv)
     norm = q_norm_weight is not None
+    if norm and not (q_norm_weight.is_contiguous() and k_norm_weight.is_contiguous()):
+        raise ValueError(f"{op}: norm weights must be contiguous")
+    tensors = [qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping]
+    tensors += [q_norm_weight, k_norm_weight] if norm else []
+    check_launchable(op, *tensors, *([rms_rows] if rms_rows is not None else []))
     T, D = qkv.shape[0], k_cache.shape[3]
     q_out = torch.empty((T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
     if T == 0:

@@ -12,7 +12,7 @@ from batchgen.kernels import ops
 from torch import nn
 
 from batchgen.layers.activation import SiluAndMul
-from batchgen.layers.attention import Attention, Prologue
+from batchgen.layers.attention import Attention
 from batchgen.layers.context import AttentionContext
 from batchgen.layers.linear import add_linear_, linear
 from batchgen.layers.norm import RMSNorm
@@ -62,18 +62,16 @@ class LlamaAttention(nn.Module):
             q, k, v = self._split_norm_rope(positions, qkv)
             out = self.attn(q, k, v, ctx)  # [T, Hq, D]
         else:
-            # Row scale, q/k-norm, rotary and the cache write of k/v: one kernel on GPU, or
-            # none of their own for decode rows (the decode kernel does them).
-            prologue = Prologue(self.rotary_emb.cos_sin_cache)
-            if self.qk_norm:
-                prologue.q_norm_weight, prologue.k_norm_weight = (
-                    self.q_norm.weight,
-                    self.k_norm.weight,
-                )
-                prologue.eps = self.q_norm.eps
-            if folded:
-                prologue.rms_rows, prologue.rms_eps = hidden, rms_eps
-            out = self.attn.attend_qkv(qkv, positions, prologue, ctx)  # [T, Hq, D]
+            # Row scale, q/k-norm, rotary and the cache write of k/v in one kernel on GPU.
+            k_cache, v_cache = ctx.kv_caches[self.attn.layer_idx]
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+            q = ops.rope_and_store_kv(
+                qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
+                k_cache, v_cache, ctx.slot_mapping, *norms,
+                self.q_norm.eps if self.qk_norm else 1e-6,
+                rms_rows=hidden if folded else None, rms_eps=rms_eps if folded else 1e-6,
+            )  # fmt: skip
+            out = self.attn.attend(q, ctx)  # [T, Hq, D]
         out = out.reshape(num_tokens, self.q_size)
         if not folded:
             return linear(out, self.o_proj.weight, self.o_proj.bias)  # [T, hidden]

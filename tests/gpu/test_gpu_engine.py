@@ -123,24 +123,6 @@ def test_programmatic_dependent_launch_changes_no_token(tiny_model_dir, monkeypa
     assert outs[1] == outs[0]
 
 
-def test_fused_decode_prologue_changes_no_token(tiny_model_dir, monkeypatch):
-    """Decode rows whose prologue (row scale, q/k-norm, rotary, cache write) runs inside the
-    decode kernel give the tokens of the separate prologue kernel, through decode and
-    mixed-step CUDA graphs and eager steps (qwen3: q/k-norm; fp32, greedy)."""
-    from batchgen.layers import attention
-
-    path = tiny_model_dir("qwen3")
-    batch = prompts(40, seed=5)
-    params = [SamplingParams(max_tokens=16 + 5 * i, temperature=0.0) for i in range(len(batch))]
-    common = dict(dtype="float32", **MIXED_STEPS)
-    outs = {}
-    for fused in (1, 0):
-        monkeypatch.setattr(attention, "FUSED_DECODE_PROLOGUE", fused)
-        llm = LLM(path, device="cuda", **common)
-        outs[fused] = [o.token_ids for o in llm.generate(batch, params, use_tqdm=False)]
-    assert outs[1] == outs[0]
-
-
 @pytest.mark.parametrize("fold_norms", [True, False], ids=["folded", "unfolded"])
 def test_llama31_8b_shape_bf16_logits_match_transformers(fold_norms, monkeypatch, tmp_path):
     """Our bf16 logits are as close to an fp32 reference as transformers' own bf16 logits,
