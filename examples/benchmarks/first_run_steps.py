@@ -1,0 +1,84 @@
+"""Where the bench's first timed run loses time against the later ones: the host wall time of
+every engine step, run by run, as `batchgen bench --repeat 3` runs them (one process; each run
+on a fresh engine over the same model and runner, after the same 16-request warm-up).
+
+Usage (CUDA machine, repo root): python examples/benchmarks/first_run_steps.py [PRESET] [RUNS]
+Steps are matched by index (the schedule is the same in every run). Prints each run's wall
+time, then per kind of step (eager steps: the first admission and due prompts; the rest) the
+seconds of each run, and the steps where the first run lost the most against the median of
+the others, with their row counts.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from batchgen.bench.engine_run import build_bench, submit
+from batchgen.bench.random_model import preset_config
+from batchgen.bench.workloads import nano, warmup_workload
+from batchgen.config import EngineConfig
+
+
+def timed_steps(bench, w, vocab: int) -> tuple[float, list[tuple[float, int, bool]]]:
+    """One bench-like run: (wall s, [(step s, rows, eager)])."""
+    engine = bench.engine()
+    submit(engine, warmup_workload(w, vocab, 16), "warmup-")
+    while engine.has_unfinished_requests():
+        engine.step()
+    torch.cuda.synchronize()
+    submit(engine, w, "")
+    seen = []  # the batch each schedule() call made, to label the step that made it
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        seen.append(out)
+        return out
+
+    engine.scheduler.schedule = spy
+    steps = []
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        seen.clear()
+        s0 = time.perf_counter()
+        engine.step()
+        rows = sum(x.num_new_tokens for o in seen for x in o.scheduled)
+        eager = any(x.num_new_tokens > 128 for o in seen for x in o.scheduled)
+        steps.append((time.perf_counter() - s0, rows, eager))
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, steps
+
+
+def main() -> None:
+    preset = sys.argv[1] if len(sys.argv) > 1 else "llama3.1-8b"
+    runs = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    vocab = preset_config(preset)["vocab_size"]
+    w = nano(256, vocab)
+    bench = build_bench(
+        EngineConfig(model="-", dtype="bfloat16", device="cuda"), preset, None, w.max_request_len()
+    )
+    results = [timed_steps(bench, w, vocab) for _ in range(runs)]
+    for i, (wall, steps) in enumerate(results):
+        big = sum(t for t, _, eager in steps if eager)
+        print(f"run {i + 1}: {wall:.2f} s wall, {len(steps)} steps; "
+              f"steps with a chunk over 128 tokens {big:.3f} s, other steps "
+              f"{sum(t for t, _, e in steps if not e):.3f} s")  # fmt: skip
+    first = results[0][1]
+    rest = [r[1] for r in results[1:]]
+    n = min(len(s) for s in [first, *rest])
+    loss = []
+    for k in range(n):
+        ref = statistics.median(r[k][0] for r in rest)
+        loss.append((first[k][0] - ref, k, first[k][1], first[k][2]))
+    total = sum(x[0] for x in loss)
+    print(f"first run minus the others' median, summed over steps: {total:.3f} s")
+    for d, k, rows, eager in sorted(loss, reverse=True)[:12]:
+        print(f"  step {k:>5}: +{d * 1e3:7.2f} ms  rows {rows:>6}  {'eager' if eager else ''}")
+
+
+if __name__ == "__main__":
+    main()
