@@ -4,7 +4,8 @@ on a fresh engine over the same model and runner, after the same 16-request warm
 
 Usage (CUDA machine, repo root): python examples/benchmarks/first_run_steps.py [PRESET] [RUNS]
 Steps are matched by index (the schedule is the same in every run). Prints each run's wall
-time, then per kind of step (eager steps: the first admission and due prompts; the rest) the
+time, then per kind of step (eager steps: a prompt chunk larger than a mixed step carries, as
+in the first admission and due prompts; the rest) the
 seconds of each run, and the steps where the first run lost the most against the median of
 the others, with their row counts.
 """
@@ -16,20 +17,19 @@ import sys
 import time
 
 import torch
+from nano_engine import nano_bench
 
-from batchgen.bench.engine_run import build_bench, submit
-from batchgen.bench.random_model import preset_config
-from batchgen.bench.workloads import nano, warmup_workload
-from batchgen.config import EngineConfig
+from batchgen.bench.engine_run import drain, submit
+from batchgen.bench.workloads import warmup_workload
 
 
 def timed_steps(bench, w, vocab: int) -> tuple[float, list[tuple[float, int, bool]]]:
     """One bench-like run: (wall s, [(step s, rows, eager)])."""
     engine = bench.engine()
     submit(engine, warmup_workload(w, vocab, 16), "warmup-")
-    while engine.has_unfinished_requests():
-        engine.step()
+    drain(engine)
     torch.cuda.synchronize()
+    chunk = engine.scheduler.mixed_chunk_tokens  # prompt tokens a mixed step carries (0: off)
     submit(engine, w, "")
     seen = []  # the batch each schedule() call made, to label the step that made it
     schedule = engine.scheduler.schedule
@@ -47,7 +47,7 @@ def timed_steps(bench, w, vocab: int) -> tuple[float, list[tuple[float, int, boo
         s0 = time.perf_counter()
         engine.step()
         rows = sum(x.num_new_tokens for o in seen for x in o.scheduled)
-        eager = any(x.num_new_tokens > 128 for o in seen for x in o.scheduled)
+        eager = any(x.num_new_tokens > max(chunk, 1) for o in seen for x in o.scheduled)
         steps.append((time.perf_counter() - s0, rows, eager))
     torch.cuda.synchronize()
     return time.perf_counter() - t0, steps
@@ -56,16 +56,12 @@ def timed_steps(bench, w, vocab: int) -> tuple[float, list[tuple[float, int, boo
 def main() -> None:
     preset = sys.argv[1] if len(sys.argv) > 1 else "llama3.1-8b"
     runs = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-    vocab = preset_config(preset)["vocab_size"]
-    w = nano(256, vocab)
-    bench = build_bench(
-        EngineConfig(model="-", dtype="bfloat16", device="cuda"), preset, None, w.max_request_len()
-    )
+    bench, w, vocab = nano_bench(preset)
     results = [timed_steps(bench, w, vocab) for _ in range(runs)]
     for i, (wall, steps) in enumerate(results):
         big = sum(t for t, _, eager in steps if eager)
         print(f"run {i + 1}: {wall:.2f} s wall, {len(steps)} steps; "
-              f"steps with a chunk over 128 tokens {big:.3f} s, other steps "
+              f"eager steps (a prompt chunk past the mixed steps' size) {big:.3f} s, other steps "
               f"{sum(t for t, _, e in steps if not e):.3f} s")  # fmt: skip
     first = results[0][1]
     rest = [r[1] for r in results[1:]]

@@ -19,10 +19,10 @@ from pathlib import Path
 CACHE = Path(tempfile.mkdtemp(prefix="triton-cache-"))
 os.environ["TRITON_CACHE_DIR"] = str(CACHE)  # before Triton is imported
 
-from batchgen.bench.engine_run import build_bench, drain, submit  # noqa: E402
-from batchgen.bench.random_model import preset_config  # noqa: E402
-from batchgen.bench.workloads import nano, warmup_workload  # noqa: E402
-from batchgen.config import EngineConfig  # noqa: E402
+from nano_engine import nano_bench  # noqa: E402
+
+from batchgen.bench.engine_run import drain, submit  # noqa: E402
+from batchgen.bench.workloads import warmup_workload  # noqa: E402
 
 
 def compiled() -> dict[str, dict]:
@@ -41,11 +41,7 @@ def compiled() -> dict[str, dict]:
 def main() -> None:
     preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"
     warmup = int(sys.argv[2]) if len(sys.argv) > 2 else 16
-    vocab = preset_config(preset)["vocab_size"]
-    w = nano(256, vocab)
-    bench = build_bench(
-        EngineConfig(model="-", dtype="bfloat16", device="cuda"), preset, None, w.max_request_len()
-    )
+    bench, w, vocab = nano_bench(preset)
     engine = bench.engine()
     submit(engine, warmup_workload(w, vocab, warmup), "warmup-")
     drain(engine)

@@ -14,6 +14,15 @@ from batchgen.bench.workloads import Workload, nano, warmup_workload
 from batchgen.config import EngineConfig
 
 
+def nano_bench(preset: str):
+    """(Bench, the 256-request nano workload, vocab size) configured as `batchgen bench` runs
+    it (prefix caching on): each timed run takes a fresh engine from the Bench."""
+    vocab = preset_config(preset)["vocab_size"]
+    w: Workload = nano(256, vocab)
+    config = EngineConfig(model="-", dtype="bfloat16", device="cuda")
+    return build_bench(config, preset, None, w.max_request_len()), w, vocab
+
+
 def warm_nano_engine(preset: str):
     """(engine, the 256-request nano workload) with kernels compiled and graphs captured."""
     config = EngineConfig(model="-", dtype="bfloat16", device="cuda", enable_prefix_caching=False)
