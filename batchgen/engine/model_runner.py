@@ -103,10 +103,10 @@ class ModelRunner:
         self.tune_report = None
         linear.clear_tuning()  # shapes an earlier runner in this process tuned
         if self.device.type == "cuda" and not self.config.enforce_eager:
+            chunk = self.mixed_chunk_tokens
+            mixed = mixed_bucket_sizes(self.config.max_num_seqs) if chunk else []
             if self.config.tune_gemms:
                 sizes = bucket_sizes(self.config.max_num_seqs)
-                chunk = self.mixed_chunk_tokens
-                mixed = mixed_bucket_sizes(self.config.max_num_seqs) if chunk else []
                 rows = sizes + [s + chunk for s in mixed]
                 groups = self.model.projection_groups()
                 self.tune_report = gemm_tuning.tune_projections(groups, rows)
@@ -118,12 +118,12 @@ class ModelRunner:
                 self.block_size,
                 self.stager.to_device,
             )
-            if self.mixed_chunk_tokens:
+            if chunk:
                 self.mixed_graphs = MixedGraphs(
                     self.model,
                     self.kv_caches,
-                    mixed_bucket_sizes(self.config.max_num_seqs),
-                    self.mixed_chunk_tokens,
+                    mixed,
+                    chunk,
                     max_model_len,
                     self.block_size,
                     self.stager.to_device,
