@@ -79,6 +79,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             admission_interval=config.admission_interval,
             mixed_chunk_tokens=self.runner.mixed_chunk_tokens,
+            mixed_chunk_room=self.runner.mixed_chunk_room,
         )
         self.stats = EngineStats()
         self._seq_ids = itertools.count()

@@ -7,10 +7,16 @@ decode rows followed by P chunk rows, with the chunk's prefill attention sized f
 MIXED_CHUNK_SEQS sequences of up to P new tokens each (the kernel's programs past a sequence's
 tokens return at once, so any split of the chunk runs in the same graph).
 
-Padding: decode rows past the step's store nothing (slot -1) and attend to one dummy key, as in
+Padding rows ride: the scheduler gives a step with d decode rows up to P + (bs - d) prompt tokens
+(riding_rows); the c - P tokens past P sit in the decode bucket's padding rows [d, bs). There
+each is a decode row of its prompt: one query at its position over its prompt's keys, which this
+step's cache write (before either attention kernel) has stored up to it; the chunk rows hold the
+rest (MixedGraphs._layout picks which). The projections compute the padding rows anyway, so
+those tokens cost only their attention: fewer prompt tokens are left to due (eager) steps.
+
+Padding left over: decode rows store nothing (slot -1) and attend to one dummy key, as in
 DecodeGraphs; chunk rows past the step's tokens belong to no sequence (the chunk's cu_seqlens end
-before them), store nothing, and their results are never read. The scheduler gives a chunk all P
-tokens while prompts wait, so the padding is the decode bucket's and the last chunk's.
+before them), store nothing, and their results are never read.
 """
 
 from __future__ import annotations
@@ -33,6 +39,10 @@ from batchgen.layers.context import AttentionContext
 # compute (about 10 us a row over llama3.1-8b's 32 layers); finer buckets pad half as much.
 MIXED_BUCKET_STEP = 8
 
+# Prompt tokens past P ride in a mixed step's padding decode rows (riding_rows); 0 leaves those
+# rows empty, as before the twentieth session (for A/B runs).
+RIDE_PADDING_ROWS = 1
+
 
 def mixed_bucket_sizes(max_batch: int) -> list[int]:
     """The decode buckets the mixed graphs are captured for."""
@@ -40,7 +50,8 @@ def mixed_bucket_sizes(max_batch: int) -> list[int]:
 
 
 class MixedGraphs:
-    """Captured forwards for d decode rows (bucket bs >= d) + a chunk of <= P prompt tokens.
+    """Captured forwards for d decode rows (bucket bs >= d) + a chunk of <= P + bs - d prompt
+    tokens (those past P in the padding rows [d, bs)).
 
     Args:
         model: the causal LM (forward(input_ids, positions, ctx) -> hidden [T, H]).
@@ -120,31 +131,71 @@ class MixedGraphs:
         if cuda:
             torch.cuda.synchronize()
 
+    def riding_rows(self, d: int) -> int:
+        """Prompt tokens a step with d decode rows may carry beyond P: its bucket's padding
+        decode rows, bs - d (0 past the largest bucket, where no graph runs, or with
+        RIDE_PADDING_ROWS off)."""
+        if not (RIDE_PADDING_ROWS and 0 < d <= self.sizes[-1]):
+            return 0
+        return smallest_bucket(self.sizes, d) - d
+
     def can_run(self, step: StepInputs) -> bool:
-        """Decode rows, then 1..MIXED_CHUNK_SEQS prompt chunks of <= P tokens in all."""
+        """Decode rows, then 1..MIXED_CHUNK_SEQS prompt chunks of <= P + riding_rows tokens
+        in all."""
         d = step.num_decode_rows
         num_chunks = len(step.seq_lens) - d
         return (
             0 < d <= self.sizes[-1]
             and 0 < num_chunks <= MIXED_CHUNK_SEQS
-            and len(step.input_ids) - d <= self.chunk
+            and len(step.input_ids) - d <= self.chunk + self.riding_rows(d)
             and not step.score_rows
             and max(map(len, step.block_tables)) <= self.max_blocks
         )
 
-    def graph_rows(self, step: StepInputs, flat_rows: list[int]) -> list[int]:
-        """Flat token indices of the step -> rows of the graph's output (the chunk starts at
-        row bs, after the decode rows' padding)."""
+    def _layout(self, step: StepInputs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where the chunk's tokens go in the bucket's graph.
+
+        The o = c - P tokens past P (0 when c <= P) ride in the padding decode rows [d, d + o):
+        the first tokens of the prompts whose pieces start earliest in their prompts (a fresh
+        prompt's first tokens read almost no keys as decode rows), so each prompt keeps a
+        suffix of its piece in the chunk rows, where the prefill kernel takes the new tokens
+        as the last of the context. Returns (rows [c]: graph row of each chunk token, riding
+        [chunks]: tokens of each prompt in padding rows, cu [chunks + 1]: the chunk rows'
+        offsets of each prompt).
+        """
         d = step.num_decode_rows
-        shift = smallest_bucket(self.sizes, d) - d
-        return [i if i < d else i + shift for i in flat_rows]
+        bs = smallest_bucket(self.sizes, d)
+        flat = np.asarray(step.cu_seqlens_q[d:], dtype=np.int64) - d  # [chunks + 1]
+        q_lens = np.diff(flat)
+        starts = np.asarray(step.positions, dtype=np.int64)[d + flat[:-1]]
+        riding = np.zeros_like(q_lens)
+        left = max(0, int(flat[-1]) - self.chunk)
+        for j in np.argsort(starts, kind="stable"):
+            riding[j] = min(left, q_lens[j])
+            left -= riding[j]
+        cu = np.concatenate([[0], np.cumsum(q_lens - riding)])
+        ride_at = d + np.cumsum(riding) - riding  # first padding row of each prompt
+        rows = np.empty(int(flat[-1]), dtype=np.int64)
+        for j in range(len(q_lens)):
+            a, r = int(flat[j]), int(riding[j])
+            rows[a : a + r] = ride_at[j] + np.arange(r)
+            rows[a + r : flat[j + 1]] = bs + cu[j] + np.arange(q_lens[j] - r)
+        return rows, riding, cu
+
+    def graph_rows(self, step: StepInputs, flat_rows: list[int]) -> list[int]:
+        """Flat token indices of the step -> rows of the graph's output: decode rows keep
+        theirs; chunk tokens go where _layout puts them."""
+        d = step.num_decode_rows
+        rows = self._layout(step)[0]
+        return [i if i < d else int(rows[i - d]) for i in flat_rows]
 
     def run(self, step: StepInputs, patch=None) -> torch.Tensor:
         """Replay the bucket's graph; returns hidden states [bs + P, H] (rows as graph_rows maps
         them). patch writes the in-flight step's tokens into the input ids (pending tokens are
         decode rows, which keep their index)."""
         d = step.num_decode_rows
-        c = len(step.input_ids) - d
+        chunk_rows, riding, cu = self._layout(step)
+        head = d + int(riding.sum())  # decode rows, then the riding chunk tokens
         bs = smallest_bucket(self.sizes, d)
         n, k, p = self.sizes[-1], MIXED_CHUNK_SEQS, self.chunk
         rows = bs + p
@@ -152,22 +203,26 @@ class MixedGraphs:
         host[2] = -1
         for i, values in enumerate((step.input_ids, step.positions, step.slot_mapping)):
             host[i, :d] = values[:d]
-            host[i, bs : bs + c] = values[d:]
+            host[i, chunk_rows] = values[d:]
         meta = np.ones(n + 2 * k + 1, dtype=np.int32)
         meta[:d] = step.seq_lens[:d]
+        meta[d:head] = host[1, d:head] + 1  # a riding token's context ends at its position
         chunks = len(step.seq_lens) - d
-        meta[n : n + chunks] = step.seq_lens[d:]
-        cu = meta[n + k :]
-        cu[: chunks + 1] = [c0 - d for c0 in step.cu_seqlens_q[d:]]
-        cu[chunks + 1 :] = c  # no tokens for the unused chunk rows
+        meta[n : n + chunks] = step.seq_lens[d:]  # a prompt's context is the same either way
+        meta[n + k : n + k + chunks + 1] = cu
+        meta[n + k + chunks + 1 :] = cu[-1]  # no tokens for the unused chunk rows
         self.tokens[:, :rows].copy_(self.stage(host, torch.int64))
         self.meta.copy_(self.stage(meta, torch.int32))
-        tables = self.stage(pad_block_tables(step.block_tables), torch.int32)  # [d + chunks, w]
+        tables = pad_block_tables(step.block_tables)  # [d + chunks, w]
+        if head > d:  # a riding token reads its prompt's table
+            owners = d + np.repeat(np.arange(chunks), riding)
+            tables = np.concatenate([tables[:d], tables[owners], tables[d:]])
+        tables = self.stage(tables, torch.int32)  # [head + chunks, w]
         width = tables.shape[1]
-        self.tables[:d, :width].copy_(tables[:d])
-        self.tables[n : n + chunks, :width].copy_(tables[d:])
-        if bs > d:
-            self.tables[d:bs, :1].zero_()  # padding decode rows: one dummy key in block 0
+        self.tables[:head, :width].copy_(tables[:head])
+        self.tables[n : n + chunks, :width].copy_(tables[head:])
+        if bs > head:
+            self.tables[head:bs, :1].zero_()  # padding decode rows: one dummy key in block 0
         if patch is not None:
             patch(self.tokens[0, :rows])
         return self.replays[bs]()

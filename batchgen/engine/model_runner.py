@@ -130,6 +130,13 @@ class ModelRunner:
                     self.graphs.pool,
                 )
 
+    def mixed_chunk_room(self, num_decode_rows: int) -> int:
+        """Prompt tokens a mixed step with num_decode_rows decode rows may carry beyond
+        mixed_chunk_tokens: its mixed graph's padding decode rows (0 without mixed graphs)."""
+        if self.mixed_graphs is None:
+            return 0
+        return self.mixed_graphs.riding_rows(num_decode_rows)
+
     def block_bytes(self) -> int:
         c = self.model_config
         per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim

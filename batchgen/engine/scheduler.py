@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 from batchgen.engine.block_manager import BlockManager
@@ -49,6 +50,7 @@ class Scheduler:
     waiting sequences are admitted longest remaining max_tokens first, and a step with decode
     rows gives at most P tokens to at most MIXED_CHUNK_SEQS prompts that are not due; due
     prompts (admitting them later would lengthen the batch's tail) take the whole budget.
+    `mixed_chunk_room` adds the tokens a step's padding decode rows can carry (see Args).
 
     Args:
         block_manager: the KV block pool.
@@ -61,6 +63,9 @@ class Scheduler:
         admission_batch: finished sequences that end the wait early (a burst of sequences
             ending together is refilled at once); None takes max_num_seqs // 16, at least 1.
         mixed_chunk_tokens: 0 (off), or P: the prompt tokens a decode step carries.
+        mixed_chunk_room: d -> prompt tokens a step with d decode rows may carry beyond P
+            (the runner's: its mixed CUDA graph pads d up to a bucket, and prompt tokens ride
+            in those padding rows); None: none.
     """
 
     def __init__(
@@ -74,9 +79,11 @@ class Scheduler:
         admission_interval: int = 1,
         admission_batch: int | None = None,
         mixed_chunk_tokens: int = 0,
+        mixed_chunk_room: Callable[[int], int] | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.mixed_chunk_tokens = mixed_chunk_tokens
+        self.mixed_chunk_room = mixed_chunk_room
         self._waiting_unsorted = False  # mixed chunks: re-sort the queue before admitting
         self.admission_interval = admission_interval
         self.admission_batch = admission_batch or max(1, max_num_seqs // 16)
@@ -193,11 +200,11 @@ class Scheduler:
         if not self.mixed_chunk_tokens:
             return None
         horizon = 0
-        decoding = False
+        decoding = 0  # decode rows of this step (running sequences with one token to compute)
         most = None  # the largest remaining max_tokens of a prompt still to prefill
         for seq in self.running:
             left = seq.num_tokens - seq.num_computed_tokens
-            decoding |= left == 1
+            decoding += left == 1
             if not seq.is_score:
                 horizon = max(horizon, remaining_steps(seq))
                 if left > 1:
@@ -207,7 +214,10 @@ class Scheduler:
         for seq in self.waiting:
             if not seq.is_score and not seq.num_preemptions:
                 most = max(most or 0, remaining_steps(seq))
-        return PromptAllowance(self.mixed_chunk_tokens, horizon, most)
+        tokens = self.mixed_chunk_tokens
+        if self.mixed_chunk_room is not None:
+            tokens += self.mixed_chunk_room(decoding)
+        return PromptAllowance(tokens, horizon, most)
 
     def _schedule_running(
         self, out: SchedulerOutput, budget: int, allowance: PromptAllowance | None = None

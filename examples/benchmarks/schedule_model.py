@@ -24,9 +24,11 @@ one had no point at 288, where cuBLAS steps up) it ranks those rules behind P = 
 GPU did, but it put a chunk filling steps past 256 rows to 320 2% ahead where the GPU
 measured no change: use it to see schedules, not to rank policies a few percent apart.
 
-Usage: python examples/benchmarks/schedule_model.py [P | R:LO:HI[/F] ...]
+Usage: python examples/benchmarks/schedule_model.py [--no-ride] [P | R:LO:HI[/F] ...]
 P: mixed_chunk_tokens. R:LO:HI: P = R - the decode bucket, within [LO, HI] (patched into the
 scheduler). /F: a step with nothing decoding gives prompts F tokens instead of the budget.
+--no-ride: prompt tokens do not fill a mixed step's padding decode rows (before 2026-11-23's
+twentieth session; the engine's mixed_chunk_room).
 Pure Python; runs anywhere. Prints, per setting, the modelled seconds, the steps by kind, and
 the prompt tokens that rode in mixed steps by decode rows.
 """
@@ -103,9 +105,17 @@ def patch_allowance(sched: Scheduler, chunk_of, first: int = 0) -> None:
     sched._prompt_allowance = allowance
 
 
-def simulate(chunk, workload, first: int = 0) -> dict:
-    """chunk: P (int) or a function of the decode rows giving P."""
+def padding_rows(d: int) -> int:
+    """A mixed step's padding decode rows (bucket - d), where prompt tokens ride (the engine's
+    mixed_chunk_room)."""
+    return bucket(d, mixed=True) - d if 0 < d <= MIXED_BUCKETS[-1] else 0
+
+
+def simulate(chunk, workload, first: int = 0, ride_padding: bool = True) -> dict:
+    """chunk: P (int) or a function of the decode rows giving P. ride_padding: prompt tokens
+    fill a mixed step's padding decode rows (the engine's default), else only P."""
     chunk_of = chunk if callable(chunk) else (lambda d: chunk)
+    room = padding_rows if ride_padding else None
     bm = BlockManager(BLOCKS, 16, True)
     sched = Scheduler(
         bm,
@@ -115,6 +125,7 @@ def simulate(chunk, workload, first: int = 0) -> dict:
         eos_token_ids=frozenset({0}),
         admission_interval=32,
         mixed_chunk_tokens=chunk_of(0),
+        mixed_chunk_room=room,
     )
     if callable(chunk) or first:
         patch_allowance(sched, chunk_of, first)
@@ -132,7 +143,7 @@ def simulate(chunk, workload, first: int = 0) -> dict:
         ms = ATTN_FIXED_MS + kv * KV_BYTES / KV_TBS / 1e9 + OTHER_MS
         chunks = sum(1 for s in out.scheduled if s.num_new_tokens > 1)
         p = chunk_of(d)
-        if prompt and prompt <= p and chunks <= 4:
+        if prompt and prompt <= p + (room(d) if room else 0) and chunks <= 4:
             kind = "mixed-graph"
             ms += proj_ms(bucket(d, mixed=True) + p) + CHUNK_ATTN_MS
             ms += OTHER_US_PER_ROW * (d + p) / 1e3
@@ -157,12 +168,15 @@ def simulate(chunk, workload, first: int = 0) -> dict:
 def main() -> None:
     # Arguments: P, or R:LO:HI for P = R - decode rows within [LO, HI]; /F after either: a
     # step with nothing decoding gives prompts F tokens.
-    args = sys.argv[1:] or ["0", "128"]
+    # --no-ride: prompt tokens do not fill a mixed step's padding decode rows.
+    args = sys.argv[1:]
+    ride = "--no-ride" not in args
+    args = [a for a in args if a != "--no-ride"] or ["0", "128"]
     w = nano(256, 128256)
     for arg in args:
         arg, _, first = arg.partition("/")
         chunk = rule(*map(int, arg.split(":"))) if ":" in arg else int(arg)
-        r = simulate(chunk, w, int(first or 0))
+        r = simulate(chunk, w, int(first or 0), ride)
         steps = sum(k[0] for k in r["kinds"].values())
         print(f"P={arg}: {r['seconds']:.2f} s modelled, {steps} steps, "
               f"{w.num_output_tokens / r['seconds']:,.0f} tok/s")  # fmt: skip

@@ -1,7 +1,8 @@
 """MixedGraphs (decode rows + a prompt chunk of up to MIXED_CHUNK_SEQS prompts in a captured
 step): the padded layout gives the same outputs as the eager steps. On CPU each bucket runs
-eagerly over the graphs' static buffers, so this checks the padding of both parts, the unused
-chunk rows, the row mapping and the metadata; tests/gpu replays real graphs."""
+eagerly over the graphs' static buffers, so this checks the padding of both parts, the chunk
+tokens riding in padding decode rows, the unused chunk rows, the row mapping and the metadata;
+tests/gpu replays real graphs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import random
 import pytest
 
 from batchgen.config import EngineConfig
-from batchgen.engine.cuda_graph import bucket_sizes
+from batchgen.engine.cuda_graph import bucket_sizes, smallest_bucket
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.mixed_graph import MixedGraphs, mixed_bucket_sizes
 from batchgen.sampling_params import SamplingParams
@@ -27,6 +28,11 @@ def requests():
         temperature = 0.9 if i % 3 == 0 else 0.0
         params = SamplingParams(max_tokens=rng.randrange(4, 110), temperature=temperature, seed=i)
         out.append((f"r{i}", prompt, params))
+    # Prompts short enough to ride whole in a step's padding decode rows, their first token
+    # sampled from one of them.
+    for i in range(24, 28):
+        prompt = [0] + [rng.randrange(5, 500) for _ in range(rng.randrange(1, 5))]
+        out.append((f"r{i}", prompt, SamplingParams(max_tokens=rng.randrange(4, 40), seed=i)))
     return out
 
 
@@ -42,7 +48,12 @@ def run(path: str, chunk: int, graphs: bool):
     engine = LLMEngine(config)
     runner = engine.runner
     used = []
-    if graphs:
+    if not graphs:
+        # The graphs' schedule, launched eagerly: chunks with their room past P (on CPU no
+        # graph exists to give it to the scheduler).
+        buckets = mixed_bucket_sizes(config.max_num_seqs)
+        engine.scheduler.mixed_chunk_room = lambda d: smallest_bucket(buckets, d) - d
+    else:
         mixed = MixedGraphs(
             runner.model,
             runner.kv_caches,
@@ -56,7 +67,9 @@ def run(path: str, chunk: int, graphs: bool):
 
         def spy(step, patch=None):
             d = step.num_decode_rows
-            used.append((d, len(step.seq_lens) - d, len(step.input_ids) - d))
+            rows = mixed.graph_rows(step, step.sample_rows)
+            riding_sampled = any(d <= r < smallest_bucket(mixed.sizes, d) for r in rows)
+            used.append((d, len(step.seq_lens) - d, len(step.input_ids) - d, riding_sampled))
             return run_step(step, patch)
 
         mixed.run = spy
@@ -79,10 +92,16 @@ def test_mixed_graph_layout_equals_eager_steps(tiny_model_dir, arch):
     # Mixed steps ran through the graph layout: decode counts between buckets (padding decode
     # rows), chunks of several prompts, and chunks shorter than P (padding chunk rows).
     assert len(used) > 10
-    assert any(d not in mixed_bucket_sizes(256) for d, _, _ in used)
-    assert any(n > 1 for _, n, _ in used)
-    assert any(c < CHUNK for _, _, c in used)
-    assert all(c <= CHUNK and n <= 4 for _, n, c in used)
+    assert any(d not in mixed_bucket_sizes(256) for d, _, _, _ in used)
+    assert any(n > 1 for _, n, _, _ in used)
+    assert any(c < CHUNK for _, _, c, _ in used)
+    # Chunks past P: tokens rode in the padding decode rows (the scheduler was given the
+    # graphs' padding through the runner), within the bucket's padding; some prompts' first
+    # tokens were sampled from such a row.
+    pad = {d: smallest_bucket(mixed_bucket_sizes(256), d) - d for d in range(1, 257)}
+    assert any(c > CHUNK for _, _, c, _ in used)
+    assert all(c <= CHUNK + pad[d] and n <= 4 for d, n, c, _ in used)
+    assert any(sampled for *_, sampled in used)
 
 
 def test_mixed_chunks_equal_plain_scheduling(tiny_model_dir):
@@ -108,6 +127,46 @@ def test_auto_chunk_tokens_by_model_size(tiny_model_dir):
     assert LLMEngine(EngineConfig(**common)).scheduler.mixed_chunk_tokens == 0
     engine = LLMEngine(EngineConfig(mixed_chunk_tokens=24, **common))
     assert engine.runner.mixed_chunk_tokens == engine.scheduler.mixed_chunk_tokens == 24
+
+
+def test_no_riding_rows_when_switched_off(monkeypatch):
+    """RIDE_PADDING_ROWS = 0 (A/B runs) gives a step no room past P."""
+    from batchgen.engine import mixed_graph
+
+    graphs = MixedGraphs.__new__(MixedGraphs)
+    graphs.sizes, graphs.chunk = mixed_bucket_sizes(256), 10
+    assert graphs.riding_rows(19) == 5
+    monkeypatch.setattr(mixed_graph, "RIDE_PADDING_ROWS", 0)
+    assert graphs.riding_rows(19) == 0
+
+
+def test_layout_rides_the_earliest_tokens_in_padding_rows():
+    """Chunk tokens past P go to the padding decode rows [d, bs): the first tokens of the
+    prompts whose pieces start earliest (each keeps a suffix of its piece in the chunk rows,
+    at row bs on); graph_rows follows them, and the chunk rows' cu_seqlens shrink by them."""
+    from batchgen.engine.step_inputs import StepInputs
+
+    graphs = MixedGraphs.__new__(MixedGraphs)  # the layout needs only the buckets and P
+    graphs.sizes, graphs.chunk = mixed_bucket_sizes(256), 10
+    # 19 decode rows (bucket 24: 5 padding rows), then prompt pieces a (positions 40-45),
+    # b (0-2, a fresh prompt) and c (7-11).
+    d = 19
+    positions = [100] * d + list(range(40, 46)) + [0, 1, 2] + list(range(7, 12))
+    step = StepInputs(
+        positions=positions,
+        input_ids=[1] * len(positions),
+        cu_seqlens_q=[*range(d + 1), d + 6, d + 9, d + 14],
+        seq_lens=[101] * d + [46, 3, 12],
+        num_decode_rows=d,
+    )
+    assert graphs.riding_rows(d) == 5 and graphs.riding_rows(24) == 0
+    assert graphs.riding_rows(257) == 0  # past the largest bucket no graph runs
+    rows, riding, cu = graphs._layout(step)  # 14 chunk tokens, P = 10: 4 ride
+    assert riding.tolist() == [0, 3, 1]  # b whole (starts at 0), then c's first (starts at 7)
+    assert cu.tolist() == [0, 6, 6, 10]
+    assert rows.tolist() == [24, 25, 26, 27, 28, 29, 19, 20, 21, 22, 30, 31, 32, 33]
+    # The last tokens of a, b and c (b's from its riding row).
+    assert graphs.graph_rows(step, [0, d + 5, d + 8, d + 13]) == [0, 29, 21, 33]
 
 
 def test_mixed_graphs_bucket_decode_rows_finer():

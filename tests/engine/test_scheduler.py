@@ -129,6 +129,7 @@ def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model
         admission_interval=kw.pop("admission_interval", 1),
         admission_batch=kw.pop("admission_batch", None),
         mixed_chunk_tokens=kw.pop("mixed_chunk_tokens", 0),
+        mixed_chunk_room=kw.pop("mixed_chunk_room", None),
     )
 
 
@@ -444,6 +445,7 @@ def test_randomized_invariants(seed, async_steps):
         enable_prefix_caching=rng.random() < 0.7,
         admission_interval=rng.choice([1, 1, 2, 5]),
         mixed_chunk_tokens=rng.choice([0, 0, 1, 3, 8]),
+        mixed_chunk_room=rng.choice([None, lambda d: -d % 4]),
     )
     shared = [rng.randrange(VOCAB) for _ in range(rng.randint(0, 30))]  # common prefixes
     seqs, seq_id = [], 0
@@ -593,6 +595,38 @@ def test_mixed_chunks_ride_in_decode_steps_longest_max_tokens_first():
     assert sorted(first_step, key=first_step.get) == [0, 3, 4, 2, 1]
     # After the lead's step, 5 prompt tokens a step: the last prompt's first token is the 25th.
     assert first_step[1] == 1 + 24 // 5
+
+
+def test_mixed_chunk_room_adds_the_padding_rows_tokens():
+    """mixed_chunk_room(d) (the runner's padding decode rows of a step with d decode rows) adds
+    to P: a mixed step gives prompts that are not due up to P + room(d) tokens, and uses them
+    while prompts wait."""
+    room = lambda d: -d % 4  # noqa: E731 (buckets every 4 rows)
+    sched = make_sched(
+        num_blocks=512, budget=64, max_num_seqs=16, mixed_chunk_tokens=5, mixed_chunk_room=room
+    )
+    lead = gen(0, range(1, 9), max_tokens=300, ignore_eos=True)
+    assert sched.add(lead) is None
+    runner = FakeRunner(sched)
+    sched.postprocess(out := sched.schedule(), runner.step(out))  # lead prefilled alone
+    rest = [
+        gen(i, range(10 * i, 10 * i + 9), max_tokens=200 - i, ignore_eos=True) for i in range(1, 9)
+    ]
+    for seq in rest:
+        assert sched.add(seq) is None
+    while sched.has_unfinished():
+        sched.postprocess(out := sched.schedule(), runner.step(out))
+        check_invariants(sched, [lead] + rest)
+    assert_expected([lead] + rest)
+    given = []  # (decode rows, prompt tokens) of each mixed step
+    for step in runner.steps:
+        d = sum(1 for e in step if e[2] == 1)
+        prompt = sum(e[2] for e in step if e[2] > 1)
+        if d and prompt:
+            given.append((d, prompt))
+            assert prompt <= 5 + room(d), step
+    assert any(prompt > 5 for _, prompt in given)
+    assert (1, 5 + 3) in given  # the first mixed step: one decode row, 3 padding rows
 
 
 def test_mixed_chunks_admit_due_prompts_at_once():

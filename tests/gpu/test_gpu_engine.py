@@ -51,30 +51,34 @@ def test_tiny_greedy_gpu_equals_cpu(tiny_model_dir, enforce_eager, fold_norms):
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_mixed_chunk_graphs_equal_eager_steps(tiny_model_dir, arch):
     """Prompts riding in decode steps, replayed as mixed-step CUDA graphs (chunks of several
-    prompts, padded rows on both sides), give the tokens of the same steps launched eagerly,
-    and (qwen3) the CPU path's. Tiny llama has a near-tie (request 20, token 68) that the GPU
-    rounds differently from the CPU with or without mixed chunks, so it is held to the eager GPU
-    steps only."""
+    prompts, padded rows on both sides, prompt tokens in padding decode rows), give the tokens
+    of the same steps launched eagerly, and (qwen3) the CPU path's. Tiny llama has a near-tie
+    (request 20, token 68) that the GPU rounds differently from the CPU with or without mixed
+    chunks, so it is held to the eager GPU steps only."""
     path = tiny_model_dir(arch)
     batch = prompts(40, seed=2)
     params = [SamplingParams(max_tokens=20 + 3 * i, temperature=0.0) for i in range(len(batch))]
     common = dict(dtype="float32", **MIXED_STEPS)
     eager_llm = LLM(path, device="cuda", **common)
-    eager_llm.engine.runner.mixed_graphs = None
+    # The same schedule, launched eagerly: chunks keep the graphs' room past P.
+    engine = eager_llm.engine
+    engine.scheduler.mixed_chunk_room = engine.runner.mixed_graphs.riding_rows
+    engine.runner.mixed_graphs = None
     eager = eager_llm.generate(batch, params, use_tqdm=False)
     gpu_llm = LLM(path, device="cuda", **common)
     mixed = gpu_llm.engine.runner.mixed_graphs
-    chunks = []
+    chunks, riding = [], []
     run = mixed.run
 
     def spy(step, patch=None):
         chunks.append(len(step.seq_lens) - step.num_decode_rows)
+        riding.append(len(step.input_ids) - step.num_decode_rows - mixed.chunk)
         return run(step, patch)
 
     mixed.run = spy
     gpu = gpu_llm.generate(batch, params, use_tqdm=False)
     assert [o.token_ids for o in gpu] == [o.token_ids for o in eager]
-    assert len(chunks) > 10 and max(chunks) > 1
+    assert len(chunks) > 10 and max(chunks) > 1 and max(riding) > 0
     if arch == "qwen3":
         cpu = LLM(path, device="cpu", **common).generate(batch, params, use_tqdm=False)
         assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
