@@ -567,23 +567,30 @@ def test_admission_keeps_blocks_for_running_growth():
     assert b.is_finished and sched.num_preemptions == 0
 
 
-def test_mixed_chunks_ride_in_decode_steps_longest_max_tokens_first():
-    """With mixed_chunk_tokens P, once something decodes, each step gives prompts that are not
-    due at most P tokens of at most MIXED_CHUNK_SEQS prompts; prompts go longest max_tokens
-    first, whatever order they came in."""
-    sched = make_sched(num_blocks=256, budget=64, max_num_seqs=16, mixed_chunk_tokens=5)
-    lead = gen(0, range(1, 9), max_tokens=200, ignore_eos=True)
+def _run_behind_lead(sched, lead, rest) -> FakeRunner:
+    """Prefill lead alone, then queue rest and run everything to completion, checking the
+    invariants each step and the expected tokens at the end; returns the runner (its steps)."""
     assert sched.add(lead) is None
     runner = FakeRunner(sched)
     sched.postprocess(out := sched.schedule(), runner.step(out))  # lead prefilled alone
-    rest = [gen(i, range(10 * i, 10 * i + 8), max_tokens=10 + i, ignore_eos=True) for i in (1, 2)]
-    rest += [gen(i, range(10 * i, 10 * i + 8), max_tokens=30 - i, ignore_eos=True) for i in (3, 4)]
     for seq in rest:
         assert sched.add(seq) is None
     while sched.has_unfinished():
         sched.postprocess(out := sched.schedule(), runner.step(out))
         check_invariants(sched, [lead] + rest)
     assert_expected([lead] + rest)
+    return runner
+
+
+def test_mixed_chunks_ride_in_decode_steps_longest_max_tokens_first():
+    """With mixed_chunk_tokens P, once something decodes, each step gives prompts that are not
+    due at most P tokens of at most MIXED_CHUNK_SEQS prompts; prompts go longest max_tokens
+    first, whatever order they came in."""
+    sched = make_sched(num_blocks=256, budget=64, max_num_seqs=16, mixed_chunk_tokens=5)
+    lead = gen(0, range(1, 9), max_tokens=200, ignore_eos=True)
+    rest = [gen(i, range(10 * i, 10 * i + 8), max_tokens=10 + i, ignore_eos=True) for i in (1, 2)]
+    rest += [gen(i, range(10 * i, 10 * i + 8), max_tokens=30 - i, ignore_eos=True) for i in (3, 4)]
+    runner = _run_behind_lead(sched, lead, rest)
     first_step = {}
     for n, step in enumerate(runner.steps):
         for seq_id, _, _, _ in step:
@@ -606,18 +613,10 @@ def test_mixed_chunk_room_adds_the_padding_rows_tokens():
         num_blocks=512, budget=64, max_num_seqs=16, mixed_chunk_tokens=5, mixed_chunk_room=room
     )
     lead = gen(0, range(1, 9), max_tokens=300, ignore_eos=True)
-    assert sched.add(lead) is None
-    runner = FakeRunner(sched)
-    sched.postprocess(out := sched.schedule(), runner.step(out))  # lead prefilled alone
     rest = [
         gen(i, range(10 * i, 10 * i + 9), max_tokens=200 - i, ignore_eos=True) for i in range(1, 9)
     ]
-    for seq in rest:
-        assert sched.add(seq) is None
-    while sched.has_unfinished():
-        sched.postprocess(out := sched.schedule(), runner.step(out))
-        check_invariants(sched, [lead] + rest)
-    assert_expected([lead] + rest)
+    runner = _run_behind_lead(sched, lead, rest)
     given = []  # (decode rows, prompt tokens) of each mixed step
     for step in runner.steps:
         d = sum(1 for e in step if e[2] == 1)
