@@ -9,7 +9,12 @@ step. This times, per projection and M:
   bf16 reduced-precision reductions off (either may change cuBLAS's kernel choice);
 - a tiled Triton kernel whose x and weight tiles come through tensor descriptors, with the
   M tiles of one N tile in consecutive programs (so they share the weight tile in L2), over a
-  small grid of tiles, plain (one program a tile) and persistent (one program an SM).
+  small grid of tiles, plain (one program a tile) and persistent (one program an SM); on
+  request (RIDGE_VARIANTS) each also warp-specialized (`tl.range(..., warp_specialize=True)`:
+  a producer partition issues the loads while the default warps run the MMAs). With triton
+  3.6 those compile for sm_90a (128 x 128 tiles: 12 warps, setmaxnreg), but on the H100 two
+  calls (420 s, then 200 s with 3 tile choices) printed no result: the first warp-specialized
+  timing never returned (RESULTS.md, twentieth session). Run them under a timeout.
 Each timed replay cycles through copies of the weight (>= 256 MB), so weights come from HBM.
 
 Usage (CUDA machine, repo root): python examples/benchmarks/ridge_gemm_probe.py [M ...]
@@ -20,6 +25,7 @@ and the Triton result's largest relative error against F.linear.
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 
 import torch
@@ -31,6 +37,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 SHAPES = {"gate_up": (4096, 28672), "down": (14336, 4096), "qkv": (4096, 6144), "o": (4096, 4096)}
 BATCHES = (192, 256, 320, 384)
+# RIDGE_VARIANTS=tiled-ws,persistent-ws and RIDGE_SHAPES=gate_up,down narrow a run.
+VARIANTS = os.environ.get("RIDGE_VARIANTS", "tiled,persistent").split(",")
+SHAPES = {k: SHAPES[k] for k in os.environ.get("RIDGE_SHAPES", ",".join(SHAPES)).split(",")}
 
 
 @triton.jit
@@ -72,7 +81,56 @@ def _mm_persistent_kernel(x_desc, w_desc, out_ptr, M, N, K, stride_out,
               BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)  # fmt: skip
 
 
-def gemm(x, w, cfg, persistent):
+@triton.jit
+def _mm_ws_kernel(x_desc, w_desc, out_ptr, M, N, K, stride_out,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  NUM_STAGES: tl.constexpr):  # fmt: skip
+    # _mm_kernel with its K loop warp-specialized: a producer partition issues the descriptor
+    # loads into NUM_STAGES buffers while the default warps run the MMAs.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m, pid_n = pid % num_m, pid // num_m
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES, warp_specialize=True):
+        x = x_desc.load([pid_m * BLOCK_M, k])  # [BLOCK_M, BLOCK_K]
+        w = w_desc.load([pid_n * BLOCK_N, k])  # [BLOCK_N, BLOCK_K]
+        acc = tl.dot(x, tl.trans(w), acc)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] < M)
+
+
+@triton.jit
+def _mm_persistent_ws_kernel(x_desc, w_desc, out_ptr, M, N, K, stride_out,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
+    # One program an SM; the tile loop is warp-specialized (the loads of the next tile's K
+    # steps overlap this tile's MMAs and store).
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_tiles = num_m * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), warp_specialize=True):
+        pid_m, pid_n = tile % num_m, tile // num_m
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            x = x_desc.load([pid_m * BLOCK_M, k])
+            w = w_desc.load([pid_n * BLOCK_N, k])
+            acc = tl.dot(x, tl.trans(w), acc)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] < M)
+
+
+KERNELS = {
+    "tiled": (_mm_kernel, False),
+    "persistent": (_mm_persistent_kernel, True),
+    "tiled-ws": (_mm_ws_kernel, False),
+    "persistent-ws": (_mm_persistent_ws_kernel, True),
+}
+
+
+def gemm(x, w, cfg, variant):
     block_m, block_n, block_k, warps, stages = cfg
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -80,7 +138,7 @@ def gemm(x, w, cfg, persistent):
     w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    kernel = _mm_persistent_kernel if persistent else _mm_kernel
+    kernel, persistent = KERNELS[variant]
     kernel[(min(tiles, sms) if persistent else tiles,)](
         x_desc, w_desc, out, m, n, k, out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
@@ -90,6 +148,10 @@ def gemm(x, w, cfg, persistent):
 
 
 def configs():
+    # RIDGE_CONFIGS="128,128,64,4,4;64,128,64,4,4" (block m, n, k, warps, stages) narrows the grid.
+    if os.environ.get("RIDGE_CONFIGS"):
+        yield from (tuple(map(int, c.split(","))) for c in os.environ["RIDGE_CONFIGS"].split(";"))
+        return
     for block_m, block_n, warps, stages in itertools.product((64, 128), (128, 256), (4, 8), (3, 4)):
         if stages * (block_m + block_n) * 64 * 2 > 220 * 1024:
             continue  # the pipeline's buffers would not fit an SM's shared memory
@@ -127,21 +189,24 @@ def main() -> None:
             cells = [
                 f"{t}: {us:6.1f} us {flop / us / 1e6:4.0f} TF" for t, us in cublas_us(x, ws).items()
             ]
-            for persistent in (False, True):
+            for variant in VARIANTS:
                 best = None
                 for cfg in configs():
                     try:
-                        out = gemm(x, ws[0], cfg, persistent).float()
-                        us = time_us(lambda w, x=x, cfg=cfg, p=persistent: gemm(x, w, cfg, p), ws)
+                        out = gemm(x, ws[0], cfg, variant).float()
+                        us = time_us(lambda w, x=x, cfg=cfg, v=variant: gemm(x, w, cfg, v), ws)
                     except Exception as e:  # e.g. out of shared memory or registers
                         print(f"  skip {cfg}: {type(e).__name__}", flush=True)
                         continue
                     err = ((out - ref).abs().max() / ref.abs().max()).item()
                     if best is None or us < best[0]:
                         best = (us, cfg, err)
+                if best is None:
+                    cells.append(f"{variant}: no config ran")
+                    continue
                 us, cfg, err = best
-                label = "persistent" if persistent else "tiled"
-                cells.append(f"{label} {cfg}: {us:6.1f} us {flop / us / 1e6:4.0f} TF err {err:.0e}")
+                tflops = flop / us / 1e6
+                cells.append(f"{variant} {cfg}: {us:6.1f} us {tflops:4.0f} TF err {err:.0e}")
             print(f"{name:<8} M={m:<4}\n    " + "\n    ".join(cells), flush=True)
 
 
