@@ -12,9 +12,9 @@ step. This times, per projection and M:
   small grid of tiles, plain (one program a tile) and persistent (one program an SM); on
   request (RIDGE_VARIANTS) each also warp-specialized (`tl.range(..., warp_specialize=True)`:
   a producer partition issues the loads while the default warps run the MMAs). With triton
-  3.6 those compile for sm_90a (128 x 128 tiles: 12 warps, setmaxnreg), but on the H100 two
-  calls (420 s, then 200 s with 3 tile choices) printed no result: the first warp-specialized
-  timing never returned (RESULTS.md, twentieth session). Run them under a timeout.
+  3.6 those compile for sm_90a (128 x 128 tiles: 12 warps, setmaxnreg), but on the H100 the
+  128 x 128 ones never return and the 64 x 128 ones take about 2x cuBLAS's time
+  (ws_gemm_check.py; RESULTS.md, twentieth session). Run them under a timeout.
 Each timed replay cycles through copies of the weight (>= 256 MB), so weights come from HBM.
 
 Usage (CUDA machine, repo root): python examples/benchmarks/ridge_gemm_probe.py [M ...]
