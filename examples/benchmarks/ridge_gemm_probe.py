@@ -43,15 +43,22 @@ SHAPES = {k: SHAPES[k] for k in os.environ.get("RIDGE_SHAPES", ",".join(SHAPES))
 
 
 @triton.jit
-def _tile(x_desc, w_desc, out_ptr, M, N, K, stride_out, pid_m, pid_n,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          NUM_STAGES: tl.constexpr):  # fmt: skip
-    # out[m-tile, n-tile] = x[m-tile, :] @ w[n-tile, :].T, fp32 accumulation.
+def _acc_tile(x_desc, w_desc, K, pid_m, pid_n,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              NUM_STAGES: tl.constexpr, WS: tl.constexpr):  # fmt: skip
+    # x[m-tile, :] @ w[n-tile, :].T, fp32 [BLOCK_M, BLOCK_N]. WS: the K loop warp-specialized
+    # (a producer partition issues the descriptor loads while the default warps run the MMAs).
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES, warp_specialize=WS):
         x = x_desc.load([pid_m * BLOCK_M, k])  # [BLOCK_M, BLOCK_K]
         w = w_desc.load([pid_n * BLOCK_N, k])  # [BLOCK_N, BLOCK_K]
         acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def _store_tile(out_ptr, acc, M, stride_out, pid_m, pid_n,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
@@ -61,72 +68,43 @@ def _tile(x_desc, w_desc, out_ptr, M, N, K, stride_out, pid_m, pid_n,
 @triton.jit
 def _mm_kernel(x_desc, w_desc, out_ptr, M, N, K, stride_out,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               NUM_STAGES: tl.constexpr):  # fmt: skip
+               NUM_STAGES: tl.constexpr, WS: tl.constexpr):  # fmt: skip
     # One program a tile; the M tiles of an N tile are consecutive program ids.
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
-    _tile(x_desc, w_desc, out_ptr, M, N, K, stride_out, pid % num_m, pid // num_m,
-          BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)  # fmt: skip
+    pid_m, pid_n = pid % num_m, pid // num_m
+    acc = _acc_tile(x_desc, w_desc, K, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, WS)
+    _store_tile(out_ptr, acc, M, stride_out, pid_m, pid_n, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _mm_persistent_kernel(x_desc, w_desc, out_ptr, M, N, K, stride_out,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          NUM_STAGES: tl.constexpr):  # fmt: skip
-    # One program an SM, striding over the tiles in the same order.
+                          NUM_STAGES: tl.constexpr, WS: tl.constexpr):  # fmt: skip
+    # One program an SM, striding over the tiles in the same order. WS: the tile loop is
+    # warp-specialized (the next tile's loads overlap this tile's MMAs and store), its K loop
+    # a plain one.
     num_m = tl.cdiv(M, BLOCK_M)
     num_tiles = num_m * tl.cdiv(N, BLOCK_N)
-    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        _tile(x_desc, w_desc, out_ptr, M, N, K, stride_out, tile % num_m, tile // num_m,
-              BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)  # fmt: skip
-
-
-@triton.jit
-def _mm_ws_kernel(x_desc, w_desc, out_ptr, M, N, K, stride_out,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  NUM_STAGES: tl.constexpr):  # fmt: skip
-    # _mm_kernel with its K loop warp-specialized: a producer partition issues the descriptor
-    # loads into NUM_STAGES buffers while the default warps run the MMAs.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_m, pid_n = pid % num_m, pid // num_m
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES, warp_specialize=True):
-        x = x_desc.load([pid_m * BLOCK_M, k])  # [BLOCK_M, BLOCK_K]
-        w = w_desc.load([pid_n * BLOCK_N, k])  # [BLOCK_N, BLOCK_K]
-        acc = tl.dot(x, tl.trans(w), acc)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
-    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] < M)
-
-
-@triton.jit
-def _mm_persistent_ws_kernel(x_desc, w_desc, out_ptr, M, N, K, stride_out,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
-    # One program an SM; the tile loop is warp-specialized (the loads of the next tile's K
-    # steps overlap this tile's MMAs and store).
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_tiles = num_m * tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), warp_specialize=True):
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), warp_specialize=WS):
         pid_m, pid_n = tile % num_m, tile // num_m
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            x = x_desc.load([pid_m * BLOCK_M, k])
-            w = w_desc.load([pid_n * BLOCK_N, k])
-            acc = tl.dot(x, tl.trans(w), acc)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] < M)
+        if WS:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                x = x_desc.load([pid_m * BLOCK_M, k])
+                w = w_desc.load([pid_n * BLOCK_N, k])
+                acc = tl.dot(x, tl.trans(w), acc)
+        else:
+            acc = _acc_tile(x_desc, w_desc, K, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K,
+                            NUM_STAGES, False)  # fmt: skip
+        _store_tile(out_ptr, acc, M, stride_out, pid_m, pid_n, BLOCK_M, BLOCK_N)
 
 
-KERNELS = {
-    "tiled": (_mm_kernel, False),
-    "persistent": (_mm_persistent_kernel, True),
-    "tiled-ws": (_mm_ws_kernel, False),
-    "persistent-ws": (_mm_persistent_ws_kernel, True),
+KERNELS = {  # variant: (kernel, persistent, warp-specialized)
+    "tiled": (_mm_kernel, False, False),
+    "persistent": (_mm_persistent_kernel, True, False),
+    "tiled-ws": (_mm_kernel, False, True),
+    "persistent-ws": (_mm_persistent_kernel, True, True),
 }
 
 
@@ -138,10 +116,10 @@ def gemm(x, w, cfg, variant):
     w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    kernel, persistent = KERNELS[variant]
+    kernel, persistent, ws = KERNELS[variant]
     kernel[(min(tiles, sms) if persistent else tiles,)](
         x_desc, w_desc, out, m, n, k, out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, WS=ws,
         num_warps=warps,
     )  # fmt: skip
     return out
