@@ -49,6 +49,14 @@ def mixed_bucket_sizes(max_batch: int) -> list[int]:
     return bucket_sizes(max_batch, MIXED_BUCKET_STEP)
 
 
+def padding_rows(sizes: list[int], d: int) -> int:
+    """Padding decode rows of a step with d decode rows in buckets `sizes` (ascending): bs - d,
+    0 for no decode rows or past the largest bucket (no graph runs those)."""
+    if not 0 < d <= sizes[-1]:
+        return 0
+    return smallest_bucket(sizes, d) - d
+
+
 class MixedGraphs:
     """Captured forwards for d decode rows (bucket bs >= d) + a chunk of <= P + bs - d prompt
     tokens (those past P in the padding rows [d, bs)).
@@ -135,9 +143,7 @@ class MixedGraphs:
         """Prompt tokens a step with d decode rows may carry beyond P: its bucket's padding
         decode rows, bs - d (0 past the largest bucket, where no graph runs, or with
         RIDE_PADDING_ROWS off)."""
-        if not (RIDE_PADDING_ROWS and 0 < d <= self.sizes[-1]):
-            return 0
-        return smallest_bucket(self.sizes, d) - d
+        return padding_rows(self.sizes, d) if RIDE_PADDING_ROWS else 0
 
     def can_run(self, step: StepInputs) -> bool:
         """Decode rows, then 1..MIXED_CHUNK_SEQS prompt chunks of <= P + riding_rows tokens

@@ -41,7 +41,7 @@ from collections import defaultdict
 from batchgen.bench.workloads import nano
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.cuda_graph import bucket_sizes, smallest_bucket
-from batchgen.engine.mixed_graph import mixed_bucket_sizes
+from batchgen.engine.mixed_graph import mixed_bucket_sizes, padding_rows
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Sequence
 from batchgen.sampling_params import SamplingParams
@@ -105,17 +105,12 @@ def patch_allowance(sched: Scheduler, chunk_of, first: int = 0) -> None:
     sched._prompt_allowance = allowance
 
 
-def padding_rows(d: int) -> int:
-    """A mixed step's padding decode rows (bucket - d), where prompt tokens ride (the engine's
-    mixed_chunk_room)."""
-    return bucket(d, mixed=True) - d if 0 < d <= MIXED_BUCKETS[-1] else 0
-
-
 def simulate(chunk, workload, first: int = 0, ride_padding: bool = True) -> dict:
     """chunk: P (int) or a function of the decode rows giving P. ride_padding: prompt tokens
     fill a mixed step's padding decode rows (the engine's default), else only P."""
     chunk_of = chunk if callable(chunk) else (lambda d: chunk)
-    room = padding_rows if ride_padding else None
+    # A mixed step's padding decode rows, where prompt tokens ride (the engine's mixed_chunk_room).
+    room = (lambda d: padding_rows(MIXED_BUCKETS, d)) if ride_padding else None
     bm = BlockManager(BLOCKS, 16, True)
     sched = Scheduler(
         bm,

@@ -13,7 +13,7 @@ import pytest
 from batchgen.config import EngineConfig
 from batchgen.engine.cuda_graph import bucket_sizes, smallest_bucket
 from batchgen.engine.llm_engine import LLMEngine
-from batchgen.engine.mixed_graph import MixedGraphs, mixed_bucket_sizes
+from batchgen.engine.mixed_graph import MixedGraphs, mixed_bucket_sizes, padding_rows
 from batchgen.sampling_params import SamplingParams
 
 CHUNK = 24
@@ -52,7 +52,7 @@ def run(path: str, chunk: int, graphs: bool):
         # The graphs' schedule, launched eagerly: chunks with their room past P (on CPU no
         # graph exists to give it to the scheduler).
         buckets = mixed_bucket_sizes(config.max_num_seqs)
-        engine.scheduler.mixed_chunk_room = lambda d: smallest_bucket(buckets, d) - d
+        engine.scheduler.mixed_chunk_room = lambda d: padding_rows(buckets, d)
     else:
         mixed = MixedGraphs(
             runner.model,
