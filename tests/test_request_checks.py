@@ -32,6 +32,9 @@ def test_ids_outside_the_vocabulary(ids):
 
 def test_ids_inside_the_vocabulary_or_unchecked():
     assert check_token_ids([0, 99], 100, "prompt") is None
+    assert check_token_ids(iter([0, 99]), 100, "prompt") is None  # any iterable of ids
+    assert check_token_ids((), 100, "prompt") is None  # emptiness is the caller's rule
+    assert check_token_ids((5, 100), 100, "candidate 0").message.endswith("[100]")
     assert check_token_ids([10**9], None, "prompt") is None  # a stand-in engine: no vocabulary
 
 

@@ -101,7 +101,9 @@ def run_engine(bench: Bench, w: Workload, warmup: int = 16, **overrides: Any) ->
     """Warm up with `warmup` look-alike requests, then time `w` on a fresh engine."""
     engine = bench.engine(**overrides)
     if warmup:
-        submit(engine, warmup_workload(w, engine.model_config.vocab_size, warmup), "warmup-")
+        budget = engine.config.max_num_batched_tokens
+        warm = warmup_workload(w, engine.model_config.vocab_size, warmup, budget)
+        submit(engine, warm, "warmup-")
         drain(engine)
     before = dataclasses.replace(engine.stats)
 

@@ -161,11 +161,22 @@ def build_workload(
     return w.capped(max_output_tokens)
 
 
-def warmup_workload(workload: Workload, vocab_size: int, count: int = 4) -> Workload:
+def warmup_workload(
+    workload: Workload, vocab_size: int, count: int = 4, min_prompt_tokens: int = 0
+) -> Workload:
     """A few requests shaped like the workload's first ones but with other token ids, so the
-    timed run finds nothing of them in the prefix cache; outputs capped at 16 tokens."""
+    timed run finds nothing of them in the prefix cache; outputs capped at 16 tokens.
+
+    count requests, or more until their prompts hold min_prompt_tokens: given the engine's step
+    budget, the warm-up's first step is then as large as the timed run's, so the run does not
+    meet that step's activation sizes for the first time (the allocator has them cached).
+    """
     rng = random.Random(12345)
     k = min(count, workload.num_requests)
+    held = sum(len(p) for p in workload.prompts[:k])
+    while k < workload.num_requests and held < min_prompt_tokens:
+        held += len(workload.prompts[k])
+        k += 1
     prompts = [_ids(rng, len(p), vocab_size) for p in workload.prompts[:k]]
     candidates = None
     if workload.candidates is not None:

@@ -61,3 +61,16 @@ def test_warmup_requests_differ_but_have_the_same_shape():
     assert [len(p) for p in warm.prompts] == [len(p) for p in w.prompts[:2]]
     assert warm.prompts[0] != w.prompts[0]
     assert all(m <= 16 for m in warm.max_tokens)
+
+
+def test_warmup_grows_until_its_prompts_fill_a_step():
+    w = nano(256, 1000)
+    lengths = [len(p) for p in w.prompts]
+    warm = warmup_workload(w, 1000, 4, min_prompt_tokens=16384)
+    k = warm.num_requests
+    # The fewest leading requests whose prompts hold a full 16,384-token step, never under 4.
+    assert k > 4 and sum(lengths[:k]) >= 16384 > sum(lengths[: k - 1])
+    assert [len(p) for p in warm.prompts] == lengths[:k]
+    assert warmup_workload(w, 1000, 4, min_prompt_tokens=10).num_requests == 4
+    # A budget no workload fills: every request warms up, and no more.
+    assert warmup_workload(nano(3, 1000), 1000, 1, min_prompt_tokens=10**9).num_requests == 3
