@@ -113,7 +113,12 @@ def load_job(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (
     raw = parse_yaml(text, str(path))
     for item in overrides:
         apply_override(raw, item)
-    return validate_job(raw, source=str(path))
+    try:
+        return validate_job(raw, source=str(path))
+    except JobError as e:
+        # Validation names the key; the message names the file too, as the model-limit checks
+        # do (pipeline/job_limits.py): a cron or Slurm log holds many jobs' errors.
+        raise JobError(f"{path}: {e}") from None
 
 
 def parse_yaml(text: str, source: str) -> dict:

@@ -59,7 +59,10 @@ def test_run_bad_jobs_exit_2(tmp_path):
     job = make_job(tmp_path, "in.jsonl")
     res = invoke("run", str(job), "--set", "sampling.temprature=1")
     assert res.exit_code == 2
-    assert "error: sampling.temprature: unknown key (did you mean 'temperature'?)" in res.output
+    # The key and the file it came from (a cron or Slurm log holds many jobs' errors).
+    assert f"error: {job}: sampling.temprature: unknown key (did you mean 'temperature'?)" in (
+        res.output
+    )
     res = invoke("run", str(job), "--set", "output.path=../x")
     assert res.exit_code == 2 and "escapes the working directory" in res.output
     res = invoke("run", str(job), "--set", "prompt.template=Use {body}")
@@ -226,7 +229,10 @@ def test_help_everywhere():
             "error: job.yaml: model.num_kv_blocks=2: the KV cache holds 32 tokens, fewer than "
             "one max_model_len=200 request",
         ),
-        ("sampling.n=100000", "error: sampling.n=100000: must be an integer in [1, 1024]"),
+        (
+            "sampling.n=100000",
+            "error: job.yaml: sampling.n=100000: must be an integer in [1, 1024]",
+        ),
     ],
 )
 @pytest.mark.parametrize("command", ["validate", "run"])
