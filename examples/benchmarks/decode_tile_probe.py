@@ -84,16 +84,21 @@ def time_batch(ctx: list[int], side: torch.cuda.Stream) -> list[str]:
     return cells
 
 
+def nano_contexts(b: int, gen: torch.Generator) -> list[int]:
+    """Context lengths of b running sequences, longest first, as llama3.1-8b's nano run has
+    them while its batch grows: about one sequence joins every 4 steps (prompts ride), so at b
+    rows they have generated 0..4b tokens on prompts of 100-1024."""
+    grown = torch.randint(0, 4 * b + 1, (b,), generator=gen)
+    return sorted((torch.randint(100, 1025, (b,), generator=gen) + grown).tolist(), reverse=True)
+
+
 def main() -> None:
     batches = [int(b) for b in sys.argv[1:]] or [34, 40, 48, 54, 60, 66, 80, 100, 128, 192, 256]
     gen = torch.Generator().manual_seed(0)
     print(torch.cuda.get_device_name())
     side = torch.cuda.Stream()
     for b in batches:
-        # The batch grows about one sequence every 4 steps (prompts ride), so at B rows the
-        # running sequences have generated 0..4B tokens on prompts of 100-1024.
-        grown = torch.randint(0, 4 * b + 1, (b,), generator=gen)
-        ctx = sorted((torch.randint(100, 1025, (b,), generator=gen) + grown).tolist(), reverse=True)
+        ctx = nano_contexts(b, gen)
         cells = time_batch(ctx, side)
         print(f"B={b:<4} ctx {min(ctx)}-{max(ctx)} TB/s  " + "  ".join(cells), flush=True)
         torch.cuda.empty_cache()

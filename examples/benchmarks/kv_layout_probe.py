@@ -24,6 +24,7 @@ import sys
 import torch
 from batchgen.kernels.decode_attention import paged_attention_decode
 from batchgen.kernels.paged_attention import paged_attention
+from decode_tile_probe import nano_contexts
 
 from batchgen.bench.timing import graph_median_us
 
@@ -93,8 +94,7 @@ def main() -> None:
     print(torch.cuda.get_device_name())
     side = torch.cuda.Stream()
     for b in batches:
-        grown = torch.randint(0, 4 * b + 1, (b,), generator=gen)
-        ctx = sorted((torch.randint(100, 1025, (b,), generator=gen) + grown).tolist(), reverse=True)
+        ctx = nano_contexts(b, gen)
         cells = time_batch(ctx, side, gen)
         print(f"B={b:<4} ctx {min(ctx)}-{max(ctx)} TB/s  " + "  ".join(cells), flush=True)
         torch.cuda.empty_cache()
