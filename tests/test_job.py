@@ -38,7 +38,7 @@ def test_unknown_key_with_hint(tmp_path):
     ):
         job_from(tmp_path, BASE.replace("temperature", "temprature"))
     with pytest.raises(
-        JobError, match=r"job\.yaml: outptu: unknown key \(did you mean 'output'\?\)"
+        JobError, match=r"^\S+/job\.yaml: outptu: unknown key \(did you mean 'output'\?\)"
     ):
         job_from(tmp_path, BASE + "outptu: {}\n")
 
@@ -95,9 +95,9 @@ def test_tune_gemms_job_key(tmp_path):
 
 
 def test_missing_required(tmp_path):
-    with pytest.raises(JobError, match=r"job\.yaml: output: missing required section"):
+    with pytest.raises(JobError, match=r"^\S+/job\.yaml: output: missing required section"):
         job_from(tmp_path, BASE.replace("output: {path: out/summarize}", ""))
-    with pytest.raises(JobError, match=r"job\.yaml: input\.path: missing required key"):
+    with pytest.raises(JobError, match=r"^\S+/job\.yaml: input\.path: missing required key"):
         job_from(tmp_path, BASE.replace("path: examples/data/docs.jsonl", "id_column: id"))
 
 
@@ -117,7 +117,7 @@ def test_path_escaping_the_working_dir(tmp_path):
 def test_output_path_with_any_dotdot_is_refused(tmp_path, path):
     # Behind a symlink `linkdir/..` is the link target's parent: out/linkdir/../escaped wrote to
     # /tmp/escaped although the text stays inside the working directory.
-    with pytest.raises(JobError, match=r"job\.yaml: output\.path: .* has a '\.\.' component"):
+    with pytest.raises(JobError, match=r"^\S+/job\.yaml: output\.path: .* has a '\.\.' component"):
         job_from(tmp_path, BASE, f"output.path={path}")
 
 
@@ -213,13 +213,13 @@ def test_nan_temperature_in_a_job_is_refused(tmp_path):
     ],
 )
 def test_non_finite_sampling_numbers_are_refused(tmp_path, key, value):
-    with pytest.raises(JobError, match=rf"job\.yaml: sampling\.{key}=(nan|-?inf): must be"):
+    with pytest.raises(JobError, match=rf"^\S+/job\.yaml: sampling\.{key}=(nan|-?inf): must be"):
         job_from(tmp_path, BASE, f"sampling.{key}={value}")
 
 
 def test_logprobs_past_the_cap_is_refused(tmp_path):
     with pytest.raises(
-        JobError, match=r"job\.yaml: sampling\.logprobs=100000: must be None or an integer in"
+        JobError, match=r"^\S+/job\.yaml: sampling\.logprobs=100000: must be None or an integer in"
     ):
         job_from(tmp_path, BASE, "sampling.logprobs=100000")
     assert (
@@ -281,6 +281,6 @@ def test_device_is_checked_with_the_job(tmp_path):
     for device in ("tpu", "cuda:x", "CUDA", "cuda:-1"):
         with pytest.raises(
             JobError,
-            match=rf"job\.yaml: model\.device='{device}': expected auto, cpu, cuda or cuda:N",
+            match=rf"^\S+/job\.yaml: model\.device='{device}': expected auto, cpu, cuda or cuda:N",
         ):
             job_from(tmp_path, BASE, f"model.device={device}")

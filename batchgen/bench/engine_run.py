@@ -97,14 +97,20 @@ def drain(engine: LLMEngine) -> int:
     return errors
 
 
+def warm_up(engine: LLMEngine, w: Workload, count: int = 16, fill_step: bool = True) -> None:
+    """Run `count` look-alike requests of `w` to the end; fill_step: more, until their prompts
+    hold one full step of the engine's max_num_batched_tokens (the timed run's first admission
+    then meets no activation size for the first time)."""
+    budget = engine.config.max_num_batched_tokens if fill_step else 0
+    submit(engine, warmup_workload(w, engine.model_config.vocab_size, count, budget), "warmup-")
+    drain(engine)
+
+
 def run_engine(bench: Bench, w: Workload, warmup: int = 16, **overrides: Any) -> RunResult:
     """Warm up with `warmup` look-alike requests, then time `w` on a fresh engine."""
     engine = bench.engine(**overrides)
     if warmup:
-        budget = engine.config.max_num_batched_tokens
-        warm = warmup_workload(w, engine.model_config.vocab_size, warmup, budget)
-        submit(engine, warm, "warmup-")
-        drain(engine)
+        warm_up(engine, w, warmup)
     before = dataclasses.replace(engine.stats)
 
     def go() -> int:

@@ -17,16 +17,13 @@ import torch
 from nano_engine import nano_bench
 
 from batchgen.bench.ceilings import measure_ceilings
-from batchgen.bench.engine_run import drain, run_engine, submit
-from batchgen.bench.workloads import warmup_workload
+from batchgen.bench.engine_run import drain, run_engine, submit, warm_up
 
 
-def probe_style(bench, w, vocab: int) -> tuple[float, float]:
+def probe_style(bench, w) -> tuple[float, float]:
     """(run s after submission, submission s) on a fresh engine after the bench's warm-up."""
     engine = bench.engine()
-    warm = warmup_workload(w, vocab, 16, engine.config.max_num_batched_tokens)
-    submit(engine, warm, "warmup-")
-    drain(engine)
+    warm_up(engine, w)
     torch.cuda.synchronize()
     s0 = time.perf_counter()
     submit(engine, w, "")
@@ -42,12 +39,12 @@ def main() -> None:
         print(measure_ceilings(torch.device("cuda"), torch.bfloat16), flush=True)
         args.remove("ceilings")
     runs = int(args[0]) if args else 6
-    bench, w, vocab = nano_bench("llama3.1-8b")
+    bench, w, _ = nano_bench("llama3.1-8b")
     for i in range(runs):
         if i % 2 == 0:
             print(f"bench-style {run_engine(bench, w).wall_s:.3f} s", flush=True)
         else:
-            wall, sub = probe_style(bench, w, vocab)
+            wall, sub = probe_style(bench, w)
             print(f"probe-style {wall:.3f} s (+ submit {1e3 * sub:.1f} ms)", flush=True)
 
 

@@ -25,20 +25,17 @@ import torch
 from nano_engine import nano_bench
 from sweep_engine import parse, patch_constants
 
-from batchgen.bench.engine_run import drain, submit
-from batchgen.bench.workloads import warmup_workload
+from batchgen.bench.engine_run import submit, warm_up
 
 # 1: the warm-up's prompts fill one full step, as `batchgen bench`'s do; FILL=0: 16 requests only
 # (the bench before 2026-11-23's twenty-first session).
 FILL_FIRST_STEP = os.environ.get("FILL", "1") == "1"
 
 
-def timed_steps(bench, w, vocab: int) -> tuple[float, list[tuple[float, int, bool]]]:
+def timed_steps(bench, w) -> tuple[float, list[tuple[float, int, bool]]]:
     """One bench-like run: (wall s, [(step s, rows, eager)])."""
     engine = bench.engine()
-    budget = engine.config.max_num_batched_tokens if FILL_FIRST_STEP else 0
-    submit(engine, warmup_workload(w, vocab, 16, budget), "warmup-")
-    drain(engine)
+    warm_up(engine, w, fill_step=FILL_FIRST_STEP)
     torch.cuda.synchronize()
     retries = torch.cuda.memory_stats()["num_alloc_retries"]
     chunk = engine.scheduler.mixed_chunk_tokens  # prompt tokens a mixed step carries (0: off)
@@ -71,8 +68,8 @@ def main() -> None:
     preset = sys.argv[1] if len(sys.argv) > 1 else "llama3.1-8b"
     runs = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     patch_constants(parse(",".join(sys.argv[3:])) if sys.argv[3:] else {})
-    bench, w, vocab = nano_bench(preset)
-    results = [timed_steps(bench, w, vocab) for _ in range(runs)]
+    bench, w, _ = nano_bench(preset)
+    results = [timed_steps(bench, w) for _ in range(runs)]
     for i, (wall, steps) in enumerate(results):
         big = sum(t for t, _, eager in steps if eager)
         print(f"run {i + 1}: {wall:.2f} s wall, {len(steps)} steps; "
