@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from batchgen.bench.gpu_power import PowerSampler, device_uuid
 from batchgen.bench.random_model import build_random_model, preset_config
 from batchgen.bench.timing import timed
 from batchgen.bench.workloads import Workload, warmup_workload
@@ -68,6 +69,9 @@ class RunResult:
     preemptions: int
     steps: int
     errors: int
+    # The GPU during the timed run (gpu_power.summarize), {"error": why} where it could not be
+    # sampled on CUDA, None off CUDA.
+    gpu: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -117,7 +121,11 @@ def run_engine(bench: Bench, w: Workload, warmup: int = 16, **overrides: Any) ->
         submit(engine, w, "")
         return drain(engine)
 
-    wall, errors = timed(go, bench.device)
+    with PowerSampler(device_uuid(bench.device)) as power:
+        wall, errors = timed(go, bench.device)
+    gpu = power.summary
+    if gpu is None and bench.device.type == "cuda":
+        gpu = {"error": power.error}
     s = engine.stats
     return RunResult(
         wall_s=wall,
@@ -129,4 +137,5 @@ def run_engine(bench: Bench, w: Workload, warmup: int = 16, **overrides: Any) ->
         preemptions=s.num_preemptions - before.num_preemptions,
         steps=s.num_steps - before.num_steps,
         errors=errors,
+        gpu=gpu,
     )

@@ -42,6 +42,7 @@ RESULT_FIELDS = (
     "achieved_tflops",
     "mfu",
     "mfu_vs_nominal_775",
+    "gpu",
 )
 TOP_FIELDS = (
     "date",
@@ -241,4 +242,22 @@ def format_table(report: dict[str, Any]) -> str:
         f"ceilings: matmul {c['matmul_shape']} {c['matmul_dtype']} {c['matmul_tflops']:.1f} "
         f"TFLOP/s, copy {c['copy_tb_s']:.2f} TB/s"
     )
+    gpu_line = format_gpu(r.get("gpu"))
+    if gpu_line:
+        lines.append(gpu_line)
     return "\n".join(lines)
+
+
+def format_gpu(gpu: dict[str, Any] | None) -> str | None:
+    """One line on the GPU's clock and power during the median run (None off CUDA)."""
+    if not gpu:
+        return None
+    if "error" in gpu:
+        return f"GPU clock and power not sampled: {gpu['error']}"
+    limit = gpu.get("power_limit_w")
+    of_limit = f" of a {limit:.0f} W limit" if limit else ""
+    return (
+        f"GPU during the median run: SM {gpu['sm_mhz_median']:,.0f} MHz median "
+        f"(p10 {gpu['sm_mhz_p10']:,.0f}), {gpu['power_w_mean']:.0f} W mean{of_limit}; "
+        f"power cap in {100 * gpu['power_capped']:.0f}% of {gpu['samples']} samples"
+    )

@@ -68,6 +68,7 @@ def _result(
     out.setdefault("preemptions", None)
     out.setdefault("steps", None)
     out.setdefault("errors", None)
+    out.setdefault("gpu", None)  # sampled for our engine's timed runs only
     return out
 
 

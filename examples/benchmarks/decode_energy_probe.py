@@ -1,0 +1,133 @@
+"""Where decode attention's joules go beyond reading K/V: the split kernel's loop with parts
+removed, llama3.1-8b heads, B=256 nano contexts, 16 layers per CUDA graph (energy_probe.measure).
+
+energy_probe.py found decode attention at about 207 pJ per K/V byte against 180 for a plain
+read (torch sum) at the same 3.0 TB/s: the SM work of the loop (the GQA group's 4 q heads
+padded to 16 MMA rows, the online softmax over [16, BLOCK_N] scores, address math, the staging
+through shared memory) adds about 15%. This probe's kernel walks the keys as the engine's split
+kernel does (one split, 128-key tiles, 2 stages, 4 warps) with MODE:
+  0  full: QK^T, online softmax, PV (the engine's loop; its output is checked against it);
+  1  no softmax: both MMAs, p = scores (no exp2, max or rescale);
+  2  no MMA: the K and V tiles summed into the accumulator (loads and adds only).
+Modes 1 and 2 compute nothing useful: they price parts of the loop. The engine's kernel is
+timed too, as the reference for mode 0.
+
+Usage (CUDA machine, repo root): python examples/benchmarks/decode_energy_probe.py [B]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from batchgen.kernels.decode_attention import _tiles as decode_tiles
+from batchgen.kernels.decode_attention import launch_decode
+from decode_tile_probe import HK, HQ, LAYERS, D, caches, nano_contexts
+from energy_probe import Nvml, measure
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _probe_kernel(
+    q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, out_ptr,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
+    qk_scale,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, MODE: tl.constexpr,
+):  # fmt: skip
+    # Grid (Hk, B): as the engine's split kernel with HEADS_FIRST and one split.
+    kvh = tl.program_id(0)
+    b = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None],
+        other=0.0,
+    )
+    acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + kvh.to(tl.int64) * stride_kh
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for start_n in range(0, seq_len, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < seq_len
+        blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        rows = blk * stride_kb + (offs_n % PAGE) * stride_ks
+        k = tl.load(k_base + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        if MODE == 2:
+            acc += tl.sum(k.to(tl.float32) + v.to(tl.float32), 0)[None, :]
+        else:
+            qk = tl.dot(q, tl.trans(k)) * qk_scale
+            if MODE == 0:
+                qk = tl.where(n_mask[None, :], qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(qk - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+            else:
+                acc += tl.dot(qk.to(v.dtype), v)
+                l_i += 1.0
+    if MODE != 0:
+        l_i = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+def launch_probe(q, k, v, lens, tables, out, mode: int) -> None:
+    bsz = q.shape[0]
+    _probe_kernel[(HK, bsz)](
+        q, k, v, lens, tables, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        tables.stride(0), out.stride(0), out.stride(1),
+        D**-0.5 * _LOG2E,
+        GROUP=HQ // HK, BLOCK_G=16, D=D, BLOCK_N=128, PAGE=k.shape[1], MODE=mode,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+
+
+def main() -> None:
+    bsz = int(sys.argv[1]) if len(sys.argv) > 1 else 256
+    ctx = nano_contexts(bsz, torch.Generator().manual_seed(0))
+    lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+    layers = [caches(ctx) for _ in range(LAYERS)]
+    q = torch.randn(bsz, HQ, D, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    ref = torch.empty_like(q)
+    k, v, tables = layers[0]
+    launch_decode(q, k, v, lens, tables, D**-0.5, 1, *decode_tiles(), out=ref)
+    launch_probe(q, k, v, lens, tables, out, 0)
+    print(torch.cuda.get_device_name(), f"B={bsz}; mode 0 against the engine's kernel: max abs",
+          f"{(out.float() - ref.float()).abs().max().item():.2e}")  # fmt: skip
+    kv = LAYERS * 2 * sum(ctx) * HK * D * 2
+    nvml = Nvml()
+    runs = {"engine kernel": lambda: [
+        launch_decode(q, k, v, lens, t, D**-0.5, 1, *decode_tiles(), out=out) for k, v, t in layers
+    ]}  # fmt: skip
+    for mode, name in ((0, "probe full"), (1, "no softmax"), (2, "no MMA")):
+        runs[name] = lambda m=mode: [launch_probe(q, k, v, lens, t, out, m) for k, v, t in layers]
+    read = torch.randn(kv // 2, device="cuda", dtype=torch.bfloat16)
+    runs["torch sum, same bytes"] = lambda: read.sum()
+    for name, fn in runs.items():
+        us, watts, mhz, mj = measure(nvml, fn)
+        print(
+            f"{name:22s} {us:8.1f} us {watts:5.0f} W {mhz} MHz {mj:8.1f} mJ "
+            f"{mj * 1e9 / kv:6.1f} pJ/B {kv / us / 1e6:.2f} TB/s",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
