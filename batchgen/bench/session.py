@@ -194,7 +194,9 @@ def _peer(bench, w, opts, cost, ceilings, report, log) -> dict[str, Any]:
         if bench.model_path is None:
             # Our weights go to host memory so our model and KV cache can be freed before the
             # peer allocates its own (both at once do not fit for 8B-class models).
-            state = {k: v.cpu() for k, v in to_hf_state_dict(bench.runner.model).items()}
+            # Exported on the CPU: unfolding the norms on the GPU next to our KV cache ran out
+            # of memory on llama3.1-8b.
+            state = to_hf_state_dict(bench.runner.model, device="cpu")
         bench.runner = None
         _free(device)
         hf = peer_hf.build_hf_model(bench.hf_config, state, bench.model_path, dtype, device)

@@ -10,8 +10,13 @@ from torch import nn
 _FOLDED_NORMS = {"qkv_proj": "input_layernorm", "gate_up_proj": "post_attention_layernorm"}
 
 
-def to_hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def to_hf_state_dict(
+    model: nn.Module, device: torch.device | str | None = None
+) -> dict[str, torch.Tensor]:
     """Un-fuse qkv_proj / gate_up_proj into HF's q/k/v and gate/up tensors (views, no copies).
+
+    device: where the tensors go (each is moved before any arithmetic on it, so exporting an
+    8B model to the CPU needs no GPU memory beyond the model's); None leaves them in place.
 
     A model whose norms are folded (the engine folds them) gets the norm weights divided back
     out of those projections, in fp32 then rounded to the weights' dtype (new tensors): exact
@@ -24,6 +29,8 @@ def to_hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state = model.state_dict()
     folded = getattr(model, "norms_folded", False)
     out: dict[str, torch.Tensor] = {}
+    if device is not None:
+        state = {name: tensor.to(device) for name, tensor in state.items()}
     for name, tensor in state.items():
         fused = next((f for f in inverse if f".{f}." in name), None)
         if fused is not None and folded and "weight" in name:

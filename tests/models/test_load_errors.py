@@ -154,3 +154,18 @@ def test_hf_export_of_folded_model_divides_the_norms_back_out(tiny_model_dir):
     assert exported.keys() == original.keys()
     for k in original:  # fp32 multiply then divide: within a rounding or two
         torch.testing.assert_close(exported[k], original[k], atol=0, rtol=3e-7)
+
+
+def test_hf_export_moves_each_tensor_before_unfolding(tiny_model_dir):
+    # The bench's peer exports an 8B model to the CPU beside a full KV cache: every tensor
+    # must move before the fp32 unfold (a meta target shows no arithmetic ran where they were).
+    from batchgen.models.hf_export import to_hf_state_dict
+
+    model, _ = load_model(tiny_model_dir("llama"))
+    assert model.fold_norms_()
+    here = to_hf_state_dict(model)
+    moved = to_hf_state_dict(model, device="meta")
+    assert moved.keys() == here.keys()
+    assert all(t.device.type == "meta" and t.shape == here[k].shape for k, t in moved.items())
+    on_cpu = to_hf_state_dict(model, device="cpu")
+    assert all(torch.equal(on_cpu[k], here[k]) for k in here)
