@@ -10,7 +10,9 @@ kernel does (one split, 128-key tiles, 2 stages, 4 warps) with MODE:
   1  no softmax: both MMAs, p = scores (no exp2, max or rescale);
   2  no MMA: the K and V tiles summed into the accumulator (loads and adds only).
 Modes 1 and 2 compute nothing useful: they price parts of the loop. The engine's kernel is
-timed too, as the reference for mode 0.
+timed too, as the reference for mode 0. "persistent N" runs mode 0 on a grid of N programs
+that take the (kv head, sequence) items in turn: with fewer programs than the SMs' 396 slots
+some SMs idle, which may cost less power for the same bytes.
 
 Usage (CUDA machine, repo root): python examples/benchmarks/decode_energy_probe.py [B]
 """
@@ -28,19 +30,40 @@ from decode_tile_probe import HK, HQ, LAYERS, D, caches, nano_contexts
 from energy_probe import Nvml, measure
 
 _LOG2E = 1.4426950408889634
+# Persistent grids of the full loop (programs; the SMs hold 3 each): fewer programs than slots
+# leave SMs idle, which may draw less power for the same bytes.
+PERSISTENT = (396, 264, 198, 132)
 
 
 @triton.jit
 def _probe_kernel(
     q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, out_ptr,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
+    qk_scale, num_items,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, MODE: tl.constexpr, HK_: tl.constexpr,
+):  # fmt: skip
+    # Grid (P,): program p takes items p, p + P, ... of the Hk * B (kv head, sequence) items,
+    # kv heads of a sequence side by side (the engine's split kernel with HEADS_FIRST, one
+    # split, is P = Hk * B).
+    zero = tl.full([], 0, tl.int64)  # the interpreter's loop index is a Python int
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        _probe_item(
+            zero + item % HK_, zero + item // HK_, q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr,
+            out_ptr,
+            stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ob,
+            stride_oh, qk_scale, GROUP, BLOCK_G, D, BLOCK_N, PAGE, MODE,
+        )  # fmt: skip
+
+
+@triton.jit
+def _probe_item(
+    kvh, b, q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, out_ptr,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
     qk_scale,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, MODE: tl.constexpr,
 ):  # fmt: skip
-    # Grid (Hk, B): as the engine's split kernel with HEADS_FIRST and one split.
-    kvh = tl.program_id(0)
-    b = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
@@ -86,14 +109,15 @@ def _probe_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
-def launch_probe(q, k, v, lens, tables, out, mode: int) -> None:
-    bsz = q.shape[0]
-    _probe_kernel[(HK, bsz)](
+def launch_probe(q, k, v, lens, tables, out, mode: int, programs: int | None = None) -> None:
+    """programs: the persistent grid's size; None gives every item its own program."""
+    items = HK * q.shape[0]
+    _probe_kernel[(programs or items,)](
         q, k, v, lens, tables, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         tables.stride(0), out.stride(0), out.stride(1),
-        D**-0.5 * _LOG2E,
-        GROUP=HQ // HK, BLOCK_G=16, D=D, BLOCK_N=128, PAGE=k.shape[1], MODE=mode,
+        D**-0.5 * _LOG2E, items,
+        GROUP=HQ // HK, BLOCK_G=16, D=D, BLOCK_N=128, PAGE=k.shape[1], MODE=mode, HK_=HK,
         num_warps=4, num_stages=2,
     )  # fmt: skip
 
@@ -118,6 +142,10 @@ def main() -> None:
     ]}  # fmt: skip
     for mode, name in ((0, "probe full"), (1, "no softmax"), (2, "no MMA")):
         runs[name] = lambda m=mode: [launch_probe(q, k, v, lens, t, out, m) for k, v, t in layers]
+    for programs in PERSISTENT:
+        runs[f"persistent {programs}"] = lambda n=programs: [
+            launch_probe(q, k, v, lens, t, out, 0, n) for k, v, t in layers
+        ]
     read = torch.randn(kv // 2, device="cuda", dtype=torch.bfloat16)
     runs["torch sum, same bytes"] = lambda: read.sum()
     for name, fn in runs.items():
