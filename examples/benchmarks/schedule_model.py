@@ -86,21 +86,21 @@ def rule(r: int, lo: int, hi: int):
 
 
 def patch_allowance(sched: Scheduler, chunk_of, first: int = 0) -> None:
-    """Give the scheduler's PromptAllowance chunk_of(decoding sequences) tokens a step; with
-    first > 0, a step with nothing decoding gives prompts first tokens (none due) instead of
-    the whole budget."""
+    """Give prompts that are not due chunk_of(decoding sequences) tokens a step (plus the
+    riding room), keeping the engine's due rule and look-ahead; with first > 0, a step with
+    nothing decoding gives prompts first tokens (none due) instead of the whole budget."""
     from batchgen.engine import scheduler as mod
 
+    real = sched._prompt_allowance
+
     def allowance():
-        horizon = 0
-        decoding = 0
-        for seq in sched.running:
-            decoding += seq.num_tokens - seq.num_computed_tokens == 1
-            if not seq.is_score:
-                horizon = max(horizon, mod.remaining_steps(seq))
-        if not decoding:
-            return mod.PromptAllowance(first, 1 << 30) if first else None
-        return mod.PromptAllowance(chunk_of(decoding), horizon)
+        a = real()
+        decoding = sum(s.num_tokens - s.num_computed_tokens == 1 for s in sched.running)
+        if a is None:
+            return mod.PromptAllowance(first, 1 << 30) if first and not decoding else None
+        room = sched.mixed_chunk_room(decoding) if sched.mixed_chunk_room else 0
+        a.left = chunk_of(decoding) + room
+        return a
 
     sched._prompt_allowance = allowance
 
@@ -168,12 +168,12 @@ def main() -> None:
     ride = "--no-ride" not in args
     args = [a for a in args if a != "--no-ride"] or ["0", "128"]
     w = nano(256, 128256)
-    for arg in args:
-        arg, _, first = arg.partition("/")
+    for full in args:
+        arg, _, first = full.partition("/")
         chunk = rule(*map(int, arg.split(":"))) if ":" in arg else int(arg)
         r = simulate(chunk, w, int(first or 0), ride)
         steps = sum(k[0] for k in r["kinds"].values())
-        print(f"P={arg}: {r['seconds']:.2f} s modelled, {steps} steps, "
+        print(f"P={full}: {r['seconds']:.2f} s modelled, {steps} steps, "
               f"{w.num_output_tokens / r['seconds']:,.0f} tok/s")  # fmt: skip
         for kind, (n, s, p) in sorted(r["kinds"].items()):
             print(f"  {kind:<13} {n:>5} steps {s:6.2f} s {p:>7} prompt tokens")
