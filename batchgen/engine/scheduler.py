@@ -139,12 +139,13 @@ class Scheduler:
             error = length_error(what, seq.num_tokens, self.max_model_len, "shorten the input")
         else:
             n, m = seq.num_prompt_tokens, seq.params.max_tokens
-            what = describe_length(n, m)
+            what = None  # worded only for the error below (check_length words its own)
             error = check_length(n, m, self.max_model_len)
         if error is not None:
             return AddError(error.code, error.message)
         bm = self.block_manager
         if not bm.can_ever_fit(seq.max_kv_tokens):
+            what = what or describe_length(n, m)
             needed = -(-seq.max_kv_tokens // bm.block_size)
             return AddError(
                 "cannot_fit",
