@@ -1,7 +1,8 @@
 """Run `batchgen run` as a subprocess, interrupt it at a planned moment, rerun until it is done.
 
 A `Kill` names the moment: a delay after process start, after the run committed some more
-shards, or the instant a temp file of a commit appears (mid-commit).
+shards, or the instant a temp file of a commit appears (mid-commit; right after that commit
+when the poller missed its temp file).
 Graceful stops (SIGTERM / SIGINT) are only sent while the run is inside `Runner.run` (its stop
 handlers installed, read from /proc, or one of its temp files present): outside it (imports,
 the last output lines) the README promises nothing for them.
@@ -102,6 +103,24 @@ def own_temps(out: Path, pid: int) -> list[str]:
     return found
 
 
+def committed_files(out: Path, temp: str) -> dict[str, int]:
+    r"""The final files a commit whose temp name matches `temp` produces (temp regexes are
+    r"\.NAME\.tmp-", as atomic.temp_path names them), with their modification times."""
+    final = re.compile(temp.removeprefix(r"\.").removesuffix(r"\.tmp-") + "$")
+    found = {}
+    for d in (out, out / "_manifest"):
+        try:
+            names = [n for n in os.listdir(d) if final.match(n)]
+        except FileNotFoundError:
+            continue
+        for n in names:
+            try:
+                found[f"{d.name}/{n}"] = os.stat(d / n).st_mtime_ns
+            except FileNotFoundError:
+                continue
+    return found
+
+
 def stop_handlers_installed(pid: int) -> bool:
     """True while SIGTERM is caught (Python installs no SIGTERM handler of its own)."""
     try:
@@ -128,7 +147,16 @@ def interrupt(task: Task, proc: subprocess.Popen, kill: Kill) -> bool:
     if graceful and not wait_for(proc, lambda: stop_handlers_installed(pid)):
         return False
     if kill.temp is not None:
-        trigger = lambda: any(re.match(kill.temp, n) for n in own_temps(task.out, pid))  # noqa: E731
+        # Mid-commit: the temp file exists. Its window is a few ms; when the poller misses it (a
+        # loaded 2-core machine), the commit it belonged to has completed: kill right after it
+        # instead (a once-only commit such as _job.json would otherwise let the run finish).
+        before = committed_files(task.out, kill.temp)
+        trigger = lambda: (
+            any(  # noqa: E731
+                re.match(kill.temp, n) for n in own_temps(task.out, pid)
+            )
+            or committed_files(task.out, kill.temp).items() - before.items()
+        )
     elif kill.entries:
         target = min(task.committed() + kill.entries, len(task.owned()))
         trigger = lambda: task.committed() >= target  # noqa: E731
