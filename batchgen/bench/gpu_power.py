@@ -118,13 +118,18 @@ class PowerSampler:
             return self
         # Append mode: the child's writes land at the end even while we seek to read.
         self._out = tempfile.TemporaryFile(mode="a+")
-        self._child = subprocess.Popen(
-            [sys.executable, "-m", "batchgen.bench.gpu_power", self.uuid, str(self.interval)],
-            stdin=subprocess.PIPE,
-            stdout=self._out,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
+        try:
+            self._child = subprocess.Popen(
+                [sys.executable, "-m", "batchgen.bench.gpu_power", self.uuid, str(self.interval)],
+                stdin=subprocess.PIPE,
+                stdout=self._out,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+        except OSError as e:  # the run goes on unsampled
+            self.error = f"could not start the sampler: {e}"
+            self._out.close()
+            return self
         # The child's first line says whether NVML opened; wait for it (outside the timing).
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and self._child.poll() is None:
@@ -170,12 +175,16 @@ def _sample_until_eof(uuid: str, interval: float) -> None:
     try:
         nvml = Nvml(uuid)
         limit = nvml.power_limit_w()
+        nvml.sample()  # a query this GPU does not support fails here, before "ok"
     except NvmlError as e:
         print(f"unavailable {e}", flush=True)
         return
     print(f"ok {limit}", flush=True)
     while True:
-        mhz, watts, reasons = nvml.sample()
+        try:
+            mhz, watts, reasons = nvml.sample()
+        except NvmlError:
+            return  # keep what was sampled
         print(f"{mhz} {watts:.1f} {reasons}", flush=True)
         ready, _, _ = select.select([sys.stdin], [], [], interval)
         if ready and not os.read(sys.stdin.fileno(), 1):

@@ -108,3 +108,32 @@ def test_sampler_reads_the_gpu_during_work():
     assert s.summary["samples"] >= 5
     assert 100 < s.summary["sm_mhz_median"] < 5000
     assert s.summary["power_w_mean"] > 20 and s.summary["power_limit_w"] > 100
+
+
+def test_sampler_that_cannot_start_leaves_the_run_unsampled(monkeypatch):
+    def no_child(*args, **kwargs):
+        raise OSError("no python here")
+
+    monkeypatch.setattr(gpu_power.subprocess, "Popen", no_child)
+    with gpu_power.PowerSampler("GPU-x") as s:
+        pass
+    assert s.summary is None and s.error == "could not start the sampler: no python here"
+
+
+def test_sampling_loop_reports_a_query_the_gpu_refuses(monkeypatch, capsys):
+    class NoPower:
+        def __init__(self, uuid: str) -> None:
+            pass
+
+        def power_limit_w(self) -> float:
+            return 700.0
+
+        def sample(self):
+            raise gpu_power.NvmlError("nvmlDeviceGetPowerUsage returned NVML error 3")
+
+    monkeypatch.setattr(gpu_power, "Nvml", NoPower)
+    gpu_power._sample_until_eof("GPU-x", 0.01)
+    assert gpu_power.parse(capsys.readouterr().out) == (
+        None,
+        "nvmlDeviceGetPowerUsage returned NVML error 3",
+    )

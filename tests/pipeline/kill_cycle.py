@@ -151,12 +151,12 @@ def interrupt(task: Task, proc: subprocess.Popen, kill: Kill) -> bool:
         # loaded 2-core machine), the commit it belonged to has completed: kill right after it
         # instead (a once-only commit such as _job.json would otherwise let the run finish).
         before = committed_files(task.out, kill.temp)
-        trigger = lambda: (
-            any(  # noqa: E731
-                re.match(kill.temp, n) for n in own_temps(task.out, pid)
-            )
-            or committed_files(task.out, kill.temp).items() - before.items()
-        )
+
+        def trigger() -> bool:
+            if any(re.match(kill.temp, n) for n in own_temps(task.out, pid)):
+                return True
+            return bool(committed_files(task.out, kill.temp).items() - before.items())
+
     elif kill.entries:
         target = min(task.committed() + kill.entries, len(task.owned()))
         trigger = lambda: task.committed() >= target  # noqa: E731
