@@ -42,11 +42,9 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def graph_median_us(fn: Callable[[], object], reps: int, before=None) -> float:
-    """Median microseconds of a CUDA-graph replay of fn over reps timed replays (the upper median
-    when reps is even). fn runs once first on a side stream (kernels compile and libraries set up
-    their per-stream workspaces outside the capture), is captured once and replayed once
-    untimed; `before` (e.g. an L2 flush) runs ahead of each timed replay, untimed."""
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """fn captured as a CUDA graph. fn runs once first on a side stream, so kernels compile and
+    libraries set up their per-stream workspaces outside the capture."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -55,6 +53,14 @@ def graph_median_us(fn: Callable[[], object], reps: int, before=None) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def graph_median_us(fn: Callable[[], object], reps: int, before=None) -> float:
+    """Median microseconds of a CUDA-graph replay of fn over reps timed replays (the upper median
+    when reps is even). fn is captured (capture_graph) and replayed once untimed; `before` (e.g.
+    an L2 flush) runs ahead of each timed replay, untimed."""
+    graph = capture_graph(fn)
     graph.replay()
     times = []
     for _ in range(reps):

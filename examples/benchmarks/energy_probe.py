@@ -23,6 +23,8 @@ from batchgen.kernels.decode_attention import launch_decode
 from batchgen.kernels.paged_attention import paged_attention
 from decode_tile_probe import HK, HQ, LAYERS, D, caches, chunk_args, nano_contexts
 
+from batchgen.bench.timing import capture_graph
+
 WARM, SECONDS = 1.0, 2.0
 
 
@@ -46,21 +48,9 @@ class Nvml:
         return v.value
 
 
-def capture(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def measure(nvml: Nvml, fn) -> tuple[float, float, float, float]:
     """(us a replay, mean W, median sampled SM MHz, mJ a replay) of fn's graph run back to back."""
-    graph = capture(fn)
+    graph = capture_graph(fn)
     torch.cuda.synchronize()
     end = time.perf_counter() + WARM
     while time.perf_counter() < end:
