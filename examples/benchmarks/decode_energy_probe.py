@@ -8,7 +8,10 @@ through shared memory) adds about 15%. This probe's kernel walks the keys as the
 kernel does (one split, 128-key tiles, 2 stages, 4 warps) with MODE:
   0  full: QK^T, online softmax, PV (the engine's loop; its output is checked against it);
   1  no softmax: both MMAs, p = scores (no exp2, max or rescale);
-  2  no MMA: the K and V tiles summed into the accumulator (loads and adds only).
+  2  no MMA: the K and V tiles summed into the accumulator (loads and adds only);
+  3  CUDA cores: QK^T and PV as broadcast products summed in fp32 over the GROUP real rows
+     only (no MMA, no shared memory), CUDA_CORE_KEYS keys a loop step; a real alternative
+     (its output is checked against the engine's kernel).
 Modes 1 and 2 compute nothing useful: they price parts of the loop. The engine's kernel is
 timed too, as the reference for mode 0. "persistent N" runs mode 0 on a grid of N programs
 that take the (kv head, sequence) items in turn: with fewer programs than the SMs' 396 slots
@@ -33,6 +36,8 @@ _LOG2E = 1.4426950408889634
 # Persistent grids of the full loop (programs; the SMs hold 3 each): fewer programs than slots
 # leave SMs idle, which may draw less power for the same bytes.
 PERSISTENT = (396, 264, 198, 132)
+# Mode 3's key rows a loop step: [GROUP, keys, D] fp32 products live in registers.
+CUDA_CORE_KEYS = (8, 16, 32)
 
 
 @triton.jit
@@ -89,6 +94,17 @@ def _probe_item(
         v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
         if MODE == 2:
             acc += tl.sum(k.to(tl.float32) + v.to(tl.float32), 0)[None, :]
+        elif MODE == 3:
+            # CUDA cores over the real rows only (BLOCK_G == GROUP): no MMA, no shared memory.
+            qk = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2) * qk_scale
+            qk = tl.where(n_mask[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
         else:
             qk = tl.dot(q, tl.trans(k)) * qk_scale
             if MODE == 0:
@@ -109,15 +125,19 @@ def _probe_item(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
-def launch_probe(q, k, v, lens, tables, out, mode: int, programs: int | None = None) -> None:
-    """programs: the persistent grid's size; None gives every item its own program."""
+def launch_probe(
+    q, k, v, lens, tables, out, mode: int, programs: int | None = None, keys: int = 128
+) -> None:
+    """programs: the persistent grid's size; None gives every item its own program. keys: key
+    rows a loop step (mode 3 only; the others run 128)."""
     items = HK * q.shape[0]
+    rows, keys = (HQ // HK, keys) if mode == 3 else (16, 128)
     _probe_kernel[(programs or items,)](
         q, k, v, lens, tables, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         tables.stride(0), out.stride(0), out.stride(1),
         D**-0.5 * _LOG2E, items,
-        GROUP=HQ // HK, BLOCK_G=16, D=D, BLOCK_N=128, PAGE=k.shape[1], MODE=mode, HK_=HK,
+        GROUP=HQ // HK, BLOCK_G=rows, D=D, BLOCK_N=keys, PAGE=k.shape[1], MODE=mode, HK_=HK,
         num_warps=4, num_stages=2,
     )  # fmt: skip
 
@@ -142,6 +162,12 @@ def main() -> None:
     ]}  # fmt: skip
     for mode, name in ((0, "probe full"), (1, "no softmax"), (2, "no MMA")):
         runs[name] = lambda m=mode: [launch_probe(q, k, v, lens, t, out, m) for k, v, t in layers]
+    for keys in CUDA_CORE_KEYS:
+        launch_probe(q, k, v, lens, tables, out, 3, keys=keys)
+        err = (out.float() - ref.float()).abs().max().item()
+        runs[f"CUDA cores, {keys} keys ({err:.0e})"] = lambda n=keys: [
+            launch_probe(q, k, v, lens, t, out, 3, keys=n) for k, v, t in layers
+        ]
     for programs in PERSISTENT:
         runs[f"persistent {programs}"] = lambda n=programs: [
             launch_probe(q, k, v, lens, t, out, 0, n) for k, v, t in layers
