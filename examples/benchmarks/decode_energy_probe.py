@@ -11,22 +11,27 @@ kernel does (one split, 128-key tiles, 2 stages, 4 warps) with MODE:
   2  no MMA: the K and V tiles summed into the accumulator (loads and adds only);
   3  CUDA cores: QK^T and PV as broadcast products summed in fp32 over the GROUP real rows
      only (no MMA, no shared memory), CUDA_CORE_KEYS keys a loop step; a real alternative
-     (its output is checked against the engine's kernel).
+     (its output is checked against the engine's kernel);
+  4  transposed: S^T = K Q^T and O^T += V^T P^T, the K and V tiles as the MMAs' first operand
+     (keys as M, the group padded to 16 as N), checked against the engine's kernel too.
 Modes 1 and 2 compute nothing useful: they price parts of the loop. The engine's kernel is
 timed too, as the reference for mode 0. "persistent N" runs mode 0 on a grid of N programs
 that take the (kv head, sequence) items in turn: with fewer programs than the SMs' 396 slots
 some SMs idle, which may cost less power for the same bytes.
 
 Usage (CUDA machine, repo root): python examples/benchmarks/decode_energy_probe.py [B]
+ONLY=engine,transposed (substrings of the names) times those only.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 import triton
 import triton.language as tl
+from batchgen.kernels import launch
 from batchgen.kernels.decode_attention import _tiles as decode_tiles
 from batchgen.kernels.decode_attention import launch_decode
 from decode_tile_probe import HK, HQ, LAYERS, D, caches, nano_contexts
@@ -79,6 +84,13 @@ def _probe_item(
         mask=g_mask[:, None],
         other=0.0,
     )
+    if MODE == 4:
+        _probe_item_transposed(
+            q, b, kvh, heads, g_mask, offs_d, k_ptr, v_ptr, seq_len, bt_ptr, out_ptr,
+            stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh, qk_scale,
+            BLOCK_G, D, BLOCK_N, PAGE,
+        )  # fmt: skip
+        return
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -125,6 +137,41 @@ def _probe_item(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
+@triton.jit
+def _probe_item_transposed(
+    q, b, kvh, heads, g_mask, offs_d, k_ptr, v_ptr, seq_len, bt_ptr, out_ptr,
+    stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh, qk_scale,
+    BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+):  # fmt: skip
+    # Mode 4: the same loop transposed, keys as the MMAs' M side: S^T = K Q^T [BLOCK_N, G] and
+    # O^T += V^T P^T [D, G], so the K and V tiles are the MMAs' first operands.
+    acc = tl.zeros([D, BLOCK_G], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    q_t = tl.trans(q)  # [D, G]
+    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + kvh.to(tl.int64) * stride_kh
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for start_n in range(0, seq_len, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < seq_len
+        blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        rows = blk * stride_kb + (offs_n % PAGE) * stride_ks
+        k = tl.load(k_base + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        s_t = tl.dot(k, q_t) * qk_scale  # [BLOCK_N, G]
+        s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s_t, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p_t = tl.exp2(s_t - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p_t, 0)
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p_t.to(v.dtype))
+        m_i = m_new
+    out = tl.trans(acc / tl.where(l_i > 0, l_i, 1.0)[None, :])  # [G, D]
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
 def launch_probe(
     q, k, v, lens, tables, out, mode: int, programs: int | None = None, keys: int = 128
 ) -> None:
@@ -160,8 +207,23 @@ def main() -> None:
     runs = {"engine kernel": lambda: [
         launch_decode(q, k, v, lens, t, D**-0.5, 1, *decode_tiles(), out=out) for k, v, t in layers
     ]}  # fmt: skip
+
+    def engine_no_pdl():
+        launch.PDL = 0  # read at each launch: this replay's decode kernels launch plainly
+        try:
+            for k, v, t in layers:
+                launch_decode(q, k, v, lens, t, D**-0.5, 1, *decode_tiles(), out=out)
+        finally:
+            launch.PDL = 1
+
+    runs["engine kernel, PDL off"] = engine_no_pdl
     for mode, name in ((0, "probe full"), (1, "no softmax"), (2, "no MMA")):
         runs[name] = lambda m=mode: [launch_probe(q, k, v, lens, t, out, m) for k, v, t in layers]
+    launch_probe(q, k, v, lens, tables, out, 4)
+    err = (out.float() - ref.float()).abs().max().item()
+    runs[f"transposed ({err:.0e})"] = lambda: [
+        launch_probe(q, k, v, lens, t, out, 4) for k, v, t in layers
+    ]
     for keys in CUDA_CORE_KEYS:
         launch_probe(q, k, v, lens, tables, out, 3, keys=keys)
         err = (out.float() - ref.float()).abs().max().item()
@@ -174,7 +236,10 @@ def main() -> None:
         ]
     read = torch.randn(kv // 2, device="cuda", dtype=torch.bfloat16)
     runs["torch sum, same bytes"] = lambda: read.sum()
+    only = [w for w in os.environ.get("ONLY", "").split(",") if w]  # e.g. ONLY=engine,transposed
     for name, fn in runs.items():
+        if only and not any(w in name for w in only):
+            continue
         us, watts, mhz, mj = measure(nvml, fn)
         print(
             f"{name:22s} {us:8.1f} us {watts:5.0f} W {mhz} MHz {mj:8.1f} mJ "
