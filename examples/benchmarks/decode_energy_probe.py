@@ -67,6 +67,22 @@ def _probe_kernel(
 
 
 @triton.jit
+def _kv_tile(
+    k_base, v_base, bt_row, start_n, seq_len, offs_d, stride_kb, stride_ks,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+):  # fmt: skip
+    # Keys [start_n, start_n + BLOCK_N) of one kv head through its block table: K and V tiles
+    # [BLOCK_N, D] (zeros past seq_len) and the key mask [BLOCK_N].
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < seq_len
+    blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+    rows = blk * stride_kb + (offs_n % PAGE) * stride_ks
+    k = tl.load(k_base + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+    v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+    return k, v, n_mask
+
+
+@triton.jit
 def _probe_item(
     kvh, b, q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, out_ptr,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
@@ -84,26 +100,37 @@ def _probe_item(
         mask=g_mask[:, None],
         other=0.0,
     )
-    if MODE == 4:
-        _probe_item_transposed(
-            q, b, kvh, heads, g_mask, offs_d, k_ptr, v_ptr, seq_len, bt_ptr, out_ptr,
-            stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh, qk_scale,
-            BLOCK_G, D, BLOCK_N, PAGE,
-        )  # fmt: skip
-        return
-    acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_kh
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    if MODE == 4:
+        out = _probe_item_transposed(
+            q, k_base, v_base, bt_row, seq_len, offs_d, stride_kb, stride_ks, qk_scale,
+            BLOCK_G, D, BLOCK_N, PAGE,
+        )  # fmt: skip
+    else:
+        out = _probe_item_rows(
+            q, k_base, v_base, bt_row, seq_len, offs_d, stride_kb, stride_ks, qk_scale,
+            BLOCK_G, D, BLOCK_N, PAGE, MODE,
+        )  # fmt: skip
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+@triton.jit
+def _probe_item_rows(
+    q, k_base, v_base, bt_row, seq_len, offs_d, stride_kb, stride_ks, qk_scale,
+    BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    MODE: tl.constexpr,
+):  # fmt: skip
+    # Modes 0-3: the q heads as rows, [G, D] normalised output.
+    acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < seq_len
-        blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        rows = blk * stride_kb + (offs_n % PAGE) * stride_ks
-        k = tl.load(k_base + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        k, v, n_mask = _kv_tile(
+            k_base, v_base, bt_row, start_n, seq_len, offs_d, stride_kb, stride_ks, BLOCK_N, PAGE
+        )
         if MODE == 2:
             acc += tl.sum(k.to(tl.float32) + v.to(tl.float32), 0)[None, :]
         elif MODE == 3:
@@ -130,17 +157,12 @@ def _probe_item(
             else:
                 acc += tl.dot(qk.to(v.dtype), v)
                 l_i += 1.0
-    if MODE != 0:
-        l_i = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
 
 
 @triton.jit
 def _probe_item_transposed(
-    q, b, kvh, heads, g_mask, offs_d, k_ptr, v_ptr, seq_len, bt_ptr, out_ptr,
-    stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh, qk_scale,
+    q, k_base, v_base, bt_row, seq_len, offs_d, stride_kb, stride_ks, qk_scale,
     BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
 ):  # fmt: skip
     # Mode 4: the same loop transposed, keys as the MMAs' M side: S^T = K Q^T [BLOCK_N, G] and
@@ -149,16 +171,10 @@ def _probe_item_transposed(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     q_t = tl.trans(q)  # [D, G]
-    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
-    v_base = v_ptr + kvh.to(tl.int64) * stride_kh
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     for start_n in range(0, seq_len, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < seq_len
-        blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        rows = blk * stride_kb + (offs_n % PAGE) * stride_ks
-        k = tl.load(k_base + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        k, v, n_mask = _kv_tile(
+            k_base, v_base, bt_row, start_n, seq_len, offs_d, stride_kb, stride_ks, BLOCK_N, PAGE
+        )
         s_t = tl.dot(k, q_t) * qk_scale  # [BLOCK_N, G]
         s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s_t, 0))
@@ -167,9 +183,7 @@ def _probe_item_transposed(
         l_i = l_i * alpha + tl.sum(p_t, 0)
         acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p_t.to(v.dtype))
         m_i = m_new
-    out = tl.trans(acc / tl.where(l_i > 0, l_i, 1.0)[None, :])  # [G, D]
-    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    return tl.trans(acc / tl.where(l_i > 0, l_i, 1.0)[None, :])  # [G, D]
 
 
 def launch_probe(
