@@ -91,29 +91,35 @@ def entries(out: Path) -> set[str]:
         return set()
 
 
-def own_temps(out: Path, pid: int) -> list[str]:
-    """Temp files written by process `pid` (atomic.temp_path puts the pid in the name)."""
-    mark = f".tmp-{pid}-"
+def listing(out: Path) -> list[tuple[Path, str]]:
+    """(directory, name) of every file of the output and its manifest (one listdir each)."""
     found = []
     for d in (out, out / "_manifest"):
         try:
-            found += [n for n in os.listdir(d) if mark in n]
+            found += [(d, n) for n in os.listdir(d)]
         except FileNotFoundError:
             continue
     return found
 
 
-def committed_files(out: Path, temp: str) -> dict[str, int]:
-    r"""The final files a commit whose temp name matches `temp` produces (temp regexes are
-    r"\.NAME\.tmp-", as atomic.temp_path names them), with their modification times."""
-    final = re.compile(temp.removeprefix(r"\.").removesuffix(r"\.tmp-") + "$")
+def own_temps(out: Path, pid: int, files: list[tuple[Path, str]] | None = None) -> list[str]:
+    """Temp files written by process `pid` (atomic.temp_path puts the pid in the name), from
+    `files` (a listing()) or a fresh listing."""
+    mark = f".tmp-{pid}-"
+    return [n for _, n in (listing(out) if files is None else files) if mark in n]
+
+
+def final_name(temp: str) -> re.Pattern:
+    r"""The final names of the commits whose temp names match `temp` (temp regexes are
+    r"\.NAME\.tmp-", as atomic.temp_path names them)."""
+    return re.compile(temp.removeprefix(r"\.").removesuffix(r"\.tmp-") + "$")
+
+
+def committed_files(files: list[tuple[Path, str]], final: re.Pattern) -> dict[str, int]:
+    """The files of a listing() whose names match `final`, with their modification times."""
     found = {}
-    for d in (out, out / "_manifest"):
-        try:
-            names = [n for n in os.listdir(d) if final.match(n)]
-        except FileNotFoundError:
-            continue
-        for n in names:
+    for d, n in files:
+        if final.match(n):
             try:
                 found[f"{d.name}/{n}"] = os.stat(d / n).st_mtime_ns
             except FileNotFoundError:
@@ -150,12 +156,14 @@ def interrupt(task: Task, proc: subprocess.Popen, kill: Kill) -> bool:
         # Mid-commit: the temp file exists. Its window is a few ms; when the poller misses it (a
         # loaded 2-core machine), the commit it belonged to has completed: kill right after it
         # instead (a once-only commit such as _job.json would otherwise let the run finish).
-        before = committed_files(task.out, kill.temp)
+        final = final_name(kill.temp)
+        before = committed_files(listing(task.out), final)
 
         def trigger() -> bool:
-            if any(re.match(kill.temp, n) for n in own_temps(task.out, pid)):
+            files = listing(task.out)  # one listing a poll: the temp's window is short
+            if any(re.match(kill.temp, n) for n in own_temps(task.out, pid, files)):
                 return True
-            return bool(committed_files(task.out, kill.temp).items() - before.items())
+            return bool(committed_files(files, final).items() - before.items())
 
     elif kill.entries:
         target = min(task.committed() + kill.entries, len(task.owned()))
