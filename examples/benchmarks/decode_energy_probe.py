@@ -26,6 +26,7 @@ ONLY=engine,transposed (substrings of the names) times those only.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import torch
@@ -43,6 +44,8 @@ _LOG2E = 1.4426950408889634
 PERSISTENT = (396, 264, 198, 132)
 # Mode 3's key rows a loop step: [GROUP, keys, D] fp32 products live in registers.
 CUDA_CORE_KEYS = (8, 16, 32)
+# (mode, keys, warps) run with the group's real rows (BLOCK_G = GROUP) instead of 16.
+NARROW = ((0, 128, 4), (4, 128, 4), (4, 64, 4), (4, 64, 2), (4, 128, 8))
 
 
 @triton.jit
@@ -187,19 +190,32 @@ def _probe_item_transposed(
 
 
 def launch_probe(
-    q, k, v, lens, tables, out, mode: int, programs: int | None = None, keys: int = 128
-) -> None:
+    q,
+    k,
+    v,
+    lens,
+    tables,
+    out,
+    mode: int,
+    programs: int | None = None,
+    keys: int = 128,
+    rows: int | None = None,
+    warps: int = 4,
+):
     """programs: the persistent grid's size; None gives every item its own program. keys: key
-    rows a loop step (mode 3 only; the others run 128)."""
+    rows a loop step. rows: the q-head tile (BLOCK_G); None gives mode 3 the group's real rows
+    and the others 16. warps: num_warps. Returns the compiled kernel (its PTX names the MMA
+    instructions Triton chose)."""
     items = HK * q.shape[0]
-    rows, keys = (HQ // HK, keys) if mode == 3 else (16, 128)
-    _probe_kernel[(programs or items,)](
+    if rows is None:
+        rows = HQ // HK if mode == 3 else 16
+    return _probe_kernel[(programs or items,)](
         q, k, v, lens, tables, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         tables.stride(0), out.stride(0), out.stride(1),
         D**-0.5 * _LOG2E, items,
         GROUP=HQ // HK, BLOCK_G=rows, D=D, BLOCK_N=keys, PAGE=k.shape[1], MODE=mode, HK_=HK,
-        num_warps=4, num_stages=2,
+        num_warps=warps, num_stages=2,
     )  # fmt: skip
 
 
@@ -238,6 +254,19 @@ def main() -> None:
     runs[f"transposed ({err:.0e})"] = lambda: [
         launch_probe(q, k, v, lens, t, out, 4) for k, v, t in layers
     ]
+    # The group's real rows as the MMAs' M (rows) or N (transposed) side: Triton pads a dot
+    # under the instruction's shape itself, m16n8k16 pads N only to 8.
+    for mode, keys, warps in NARROW:
+        kern = launch_probe(q, k, v, lens, tables, out, mode, keys=keys, rows=HQ // HK, warps=warps)
+        err = (out.float() - ref.float()).abs().max().item()
+        name = f"{'transposed' if mode == 4 else 'rows'} G={HQ // HK} {keys}x{warps}w ({err:.0e})"
+        ptx = kern.asm["ptx"]
+        print(name, "mma.sync:", ptx.count("mma.sync"), "wgmma:", ptx.count("wgmma.mma_async"),
+              "shapes:", sorted(set(re.findall(r"mma\S*\.m(\d+n\d+k\d+)", ptx))))  # fmt: skip
+        runs[name] = lambda m=mode, n=keys, w=warps: [
+            launch_probe(q, k, v, lens, t, out, m, keys=n, rows=HQ // HK, warps=w)
+            for k, v, t in layers
+        ]
     for keys in CUDA_CORE_KEYS:
         launch_probe(q, k, v, lens, tables, out, 3, keys=keys)
         err = (out.float() - ref.float()).abs().max().item()
