@@ -12,6 +12,7 @@ from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.detokenizer import StopStringChecker
 from batchgen.engine.gc_pause import HeapFreeze
 from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.penalties import History
 from batchgen.engine.request import Request, ScoreAccumulator, sample_seed
 from batchgen.engine.sampler import SamplingBatch
 from batchgen.engine.scheduler import Scheduler
@@ -66,6 +67,9 @@ class LLMEngine:
         )
         self.max_model_len = self.limits.max_model_len
         self.runner = runner or ModelRunner(config, mc, self.max_model_len)
+        # Sequence ids restart with each engine: histories an earlier engine over this runner
+        # left behind (it was dropped mid-run) must not pass for this one's.
+        self.runner.sampler.penalties.reset()
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         self.eos_token_ids = frozenset(tokenizer_eos) | frozenset(mc.eos_token_ids)
         self.block_manager = BlockManager(
@@ -274,13 +278,6 @@ class LLMEngine:
         for seq in out.preempted:
             if seq.is_score:
                 self._requests[seq.request_id].scores[seq.sample_index] = ScoreAccumulator()
-        if self._inflight is not None and self._needs_history(out):
-            # Penalties read the token history on the host: settle the step in flight first,
-            # and drop from this step the sequences that settling finished.
-            finished_outputs += self._resolve(self._pop_inflight())
-            out.scheduled = [item for item in out.scheduled if not item.seq.is_finished]
-            if not out.scheduled:
-                return finished_outputs
         sampling = self._sampling_batch(out.scheduled)
         handle = self.runner.launch(out.scheduled, sampling, self._inflight_handle())
         advanced = self.scheduler.advancing(out)
@@ -300,10 +297,6 @@ class LLMEngine:
     def _pop_inflight(self) -> _Launched:
         launched, self._inflight = self._inflight, None
         return launched
-
-    @staticmethod
-    def _needs_history(out: SchedulerOutput) -> bool:
-        return any(item.samples and item.seq.params.has_penalties for item in out.scheduled)
 
     def _resolve(self, launched: _Launched) -> list[RequestOutput]:
         """Read a launched step's results into its sequences; return requests now complete."""
@@ -337,19 +330,22 @@ class LLMEngine:
                 self.stats.num_cached_tokens += sum(s.num_cached_tokens for s in request.seqs)
                 outputs.append(request.output(self._decode))
                 del self._requests[seq.request_id]
+                self.runner.sampler.penalties.release(s.seq_id for s in request.seqs)
         return outputs
 
     def _sampling_batch(self, scheduled) -> SamplingBatch:
         """Per sampling sequence: params, random-stream key and token index; token histories
-        and suppressed ids only for the rows that need them (this runs every step)."""
+        (references, not copies) and suppressed ids only for the rows that need them (this runs
+        every step)."""
         seqs = [item.seq for item in scheduled if item.samples]
         params = [seq.params for seq in seqs]
         steps = [len(seq.token_ids) - seq.num_prompt_tokens for seq in seqs]
         empty: list[int] = []
-        prompts, outputs, suppress = [empty] * len(seqs), [empty] * len(seqs), [empty] * len(seqs)
+        histories: list[History | None] = [None] * len(seqs)
+        suppress = [empty] * len(seqs)
         for i, (seq, p, step) in enumerate(zip(seqs, params, steps)):
             if p.has_penalties:
-                prompts[i], outputs[i] = seq.prompt_token_ids, seq.output_token_ids
+                histories[i] = History(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
             if step < p.min_tokens:
                 suppress[i] = sorted(set(p.stop_token_ids) | self.eos_token_ids)
-        return SamplingBatch(params, [seq.seed for seq in seqs], steps, prompts, outputs, suppress)
+        return SamplingBatch(params, [seq.seed for seq in seqs], steps, histories, suppress)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.engine.host_to_device import to_device
+from batchgen.engine.penalties import History, PenaltyHistory
 from batchgen.kernels import ops
 from batchgen.sampling_params import SamplingParams
 
@@ -20,21 +21,23 @@ class SamplingBatch:
         seeds: per-row random-stream key (request seed mixed with the sample index).
         steps: per-row index of the token being generated (so a resume or a different batch
             gives the same draw).
-        prompt_ids / output_ids: per-row token histories (only read for penalties and
-            min_tokens).
+        histories: per row, its token history (History: the sequence's id and live token
+            list) when its params have a penalty, else None.
         suppress_ids: per-row token ids to forbid this step (EOS/stop ids under min_tokens).
     """
 
     params: list[SamplingParams]
     seeds: list[int]
     steps: list[int]
-    prompt_ids: list[list[int]]
-    output_ids: list[list[int]]
+    histories: list[History | None]
     suppress_ids: list[list[int]]
 
 
 class Sampler:
     """Turns fp32 logits [N, V] into one token per row, plus optional top-k log-probs.
+
+    Penalised rows read their token histories from `self.penalties`, which keeps them on the
+    device and appends each drawn token; `release` frees a finished sequence's.
 
     Args:
         stage: (values, dtype, device) -> device tensor; the runner passes its PinnedStager's.
@@ -42,6 +45,7 @@ class Sampler:
 
     def __init__(self, stage=to_device) -> None:
         self.stage = stage
+        self.penalties = PenaltyHistory(stage)
 
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch
@@ -70,7 +74,20 @@ class Sampler:
         raw_logprobs = None
         if any(p.logprobs is not None for p in batch.params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [N, V], before any processing
-        logits = self._apply_penalties(logits, batch)
+        penalised = [i for i, h in enumerate(batch.histories) if h is not None]
+        if penalised:
+            histories = [batch.histories[i] for i in penalised]
+            params = [batch.params[i] for i in penalised]
+            buf_rows = self.penalties.apply(logits, penalised, histories, params)
+        tokens = self._draw(logits, batch)
+        if penalised:
+            self.penalties.record(tokens, penalised, buf_rows, histories)
+        return tokens, raw_logprobs
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Tokens [N] from processed logits [N, V] fp32: suppressed ids, greedy rows, then
+        filtered keyed draws for the rest."""
+        device = logits.device
         # The engine refuses stop ids past the vocabulary; skipping them here keeps one row's
         # bad id from failing the batch's indexing whatever the caller.
         vocab = logits.shape[1]
@@ -82,9 +99,9 @@ class Sampler:
             logits[idx[:, 0], idx[:, 1]] = float("-inf")
         greedy = [p.greedy for p in batch.params]
         if all(greedy):
-            return logits.argmax(dim=-1), raw_logprobs
+            return logits.argmax(dim=-1)
         if not any(greedy):
-            return self._sample(logits, batch.params, batch.seeds, batch.steps), raw_logprobs
+            return self._sample(logits, batch.params, batch.seeds, batch.steps)
         tokens = torch.empty(logits.shape[0], dtype=torch.long, device=device)
         rows = [i for i, g in enumerate(greedy) if g]
         idx = self.stage(rows, torch.int64, device)
@@ -97,44 +114,25 @@ class Sampler:
             [batch.seeds[i] for i in rows],
             [batch.steps[i] for i in rows],
         )
-        return tokens, raw_logprobs
+        return tokens
 
     @staticmethod
     def _plain(batch: SamplingBatch) -> bool:
         """Every row samples with temperature only: no greedy row, filter, penalty,
         suppressed id or logprobs (the common batch-generation case)."""
-        return not any(batch.suppress_ids) and all(
-            p.temperature > 0
-            and p.top_k <= 0
-            and p.top_p >= 1.0
-            and p.min_p <= 0
-            and p.logprobs is None
-            and not p.has_penalties
-            for p in batch.params
+        return (
+            not any(batch.suppress_ids)
+            and all(h is None for h in batch.histories)
+            and all(
+                p.temperature > 0
+                and p.top_k <= 0
+                and p.top_p >= 1.0
+                and p.min_p <= 0
+                and p.logprobs is None
+                and not p.has_penalties
+                for p in batch.params
+            )
         )
-
-    def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        rows = [i for i, p in enumerate(batch.params) if p.has_penalties]
-        for i in rows:
-            p = batch.params[i]
-            if p.repetition_penalty != 1.0:
-                # HF semantics over prompt + output tokens: shrink positive logits, grow negative.
-                seen = torch.tensor(
-                    sorted(set(batch.prompt_ids[i]) | set(batch.output_ids[i])),
-                    dtype=torch.long,
-                    device=logits.device,
-                )
-                vals = logits[i, seen]
-                logits[i, seen] = torch.where(
-                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-                )
-            if (p.presence_penalty or p.frequency_penalty) and batch.output_ids[i]:
-                # OpenAI semantics over generated tokens only.
-                out = torch.tensor(batch.output_ids[i], dtype=torch.long, device=logits.device)
-                counts = torch.zeros(logits.shape[1], device=logits.device)
-                counts.scatter_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-        return logits
 
     def _sample(
         self,

@@ -6,19 +6,21 @@ import math
 
 import torch
 
+from batchgen.engine.penalties import History
 from batchgen.engine.sampler import Sampler, SamplingBatch, _top_k_top_p
 from batchgen.sampling_params import SamplingParams
 
 
 def batch(params, seeds=None, steps=None, prompt=None, output=None, suppress=None):
+    """prompt / output: per-row histories, given to the rows whose params have a penalty."""
     n = len(params)
+    prompt, output = prompt or [[]] * n, output or [[]] * n
+    histories = [
+        History(i, prompt[i] + output[i], len(prompt[i])) if p.has_penalties else None
+        for i, p in enumerate(params)
+    ]
     return SamplingBatch(
-        params,
-        seeds or [0] * n,
-        steps or [0] * n,
-        prompt or [[]] * n,
-        output or [[]] * n,
-        suppress or [[]] * n,
+        params, seeds or [0] * n, steps or [0] * n, histories, suppress or [[]] * n
     )
 
 
