@@ -49,7 +49,7 @@ def _requests():
         elif kind == 5:
             p = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2)
         elif kind == 6:
-            # Penalties settle the step in flight first (they read the history on the host).
+            # Penalties read the histories on the device, the in-flight token included.
             p = SamplingParams(max_tokens=4, temperature=0.7, seed=i, repetition_penalty=1.3)
         else:
             p = SamplingParams(max_tokens=40, temperature=1.5, seed=i, ignore_eos=True)
