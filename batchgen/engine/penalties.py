@@ -100,9 +100,9 @@ class PenaltyHistory:
         self, tokens: torch.Tensor, rows: list[int], buf_rows: list[int], histories: list[History]
     ) -> None:
         """Write the drawn tokens (tokens [N] on the device, rows into it) into the buffer at
-        each history's next index: no host sync, the next step's penalties read them."""
+        each history's next index: no host sync, the next step's penalties read them. Follows
+        `apply` on the same histories, which made the buffer wide enough."""
         positions = [len(h.token_ids) for h in histories]
-        self._fit_width(max(positions) + 1)
         idx = self.stage([rows, buf_rows, positions], torch.int64, tokens.device)  # [3, P]
         self.ids[idx[1], idx[2]] = tokens[idx[0]].to(torch.int32)
         for h, n in zip(histories, positions):

@@ -22,7 +22,7 @@ class SamplingBatch:
         steps: per-row index of the token being generated (so a resume or a different batch
             gives the same draw).
         histories: per row, its token history (History: the sequence's id and live token
-            list) when its params have a penalty, else None.
+            list); required where the row's params have a penalty, read nowhere else.
         suppress_ids: per-row token ids to forbid this step (EOS/stop ids under min_tokens).
     """
 
@@ -74,9 +74,12 @@ class Sampler:
         raw_logprobs = None
         if any(p.logprobs is not None for p in batch.params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [N, V], before any processing
-        penalised = [i for i, h in enumerate(batch.histories) if h is not None]
+        penalised = [i for i, p in enumerate(batch.params) if p.has_penalties]
         if penalised:
             histories = [batch.histories[i] for i in penalised]
+            if any(h is None for h in histories):
+                row = penalised[next(j for j, h in enumerate(histories) if h is None)]
+                raise ValueError(f"sampling row {row} has a penalty but no token history")
             params = [batch.params[i] for i in penalised]
             buf_rows = self.penalties.apply(logits, penalised, histories, params)
         tokens = self._draw(logits, batch)
@@ -120,18 +123,14 @@ class Sampler:
     def _plain(batch: SamplingBatch) -> bool:
         """Every row samples with temperature only: no greedy row, filter, penalty,
         suppressed id or logprobs (the common batch-generation case)."""
-        return (
-            not any(batch.suppress_ids)
-            and all(h is None for h in batch.histories)
-            and all(
-                p.temperature > 0
-                and p.top_k <= 0
-                and p.top_p >= 1.0
-                and p.min_p <= 0
-                and p.logprobs is None
-                and not p.has_penalties
-                for p in batch.params
-            )
+        return not any(batch.suppress_ids) and all(
+            p.temperature > 0
+            and p.top_k <= 0
+            and p.top_p >= 1.0
+            and p.min_p <= 0
+            and p.logprobs is None
+            and not p.has_penalties
+            for p in batch.params
         )
 
     def _sample(

@@ -13,6 +13,7 @@ from batchgen import LLM, SamplingParams
 from batchgen.engine import penalties as penalties_mod
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.penalties import History, PenaltyHistory, apply_penalties_ref
+from batchgen.engine.sampler import Sampler, SamplingBatch
 from batchgen.engine.sequence import PENDING_TOKEN
 
 transformers = pytest.importorskip("transformers")
@@ -91,6 +92,13 @@ def test_an_id_not_drawn_yet_is_refused_with_the_sequence_named():
     logits = torch.zeros(1, VOCAB)
     with pytest.raises(RuntimeError, match=r"sequence 7: .* index 3"):
         state.apply(logits, [0], [History(7, [1, 2, 3, PENDING_TOKEN], 2)], [PARAMS[0]])
+
+
+def test_a_penalised_row_without_a_history_is_refused():
+    params = [SamplingParams(temperature=0.0), SamplingParams(frequency_penalty=0.2)]
+    batch = SamplingBatch(params, [0, 0], [0, 0], [None, None], [[], []])
+    with pytest.raises(ValueError, match="sampling row 1 has a penalty but no token history"):
+        Sampler().sample(torch.zeros(2, VOCAB), batch)
 
 
 def test_reset_forgets_an_earlier_engines_sequences():
