@@ -77,8 +77,9 @@ class RunResult:
         return dataclasses.asdict(self)
 
 
-def submit(engine: LLMEngine, w: Workload, prefix: str, seed: int = 0) -> None:
-    """Queue every request of `w` (seeded per request so runs are reproducible)."""
+def submit(engine: LLMEngine, w: Workload, prefix: str, seed: int = 0, **sampling: Any) -> None:
+    """Queue every request of `w` (seeded per request so runs are reproducible); `sampling`:
+    more SamplingParams fields for the generation requests (e.g. a penalty)."""
     for i, prompt in enumerate(w.prompts):
         rid = f"{prefix}{i}"
         if w.candidates is not None:
@@ -89,6 +90,7 @@ def submit(engine: LLMEngine, w: Workload, prefix: str, seed: int = 0) -> None:
                 temperature=w.temperature,
                 ignore_eos=True,
                 seed=seed + i,
+                **sampling,
             )
             engine.add_request(rid, prompt, params)
 

@@ -8,14 +8,12 @@ Usage (CUDA machine, repo root): python examples/benchmarks/penalty_probe.py [PR
 from __future__ import annotations
 
 import sys
-import time
 
-import torch
 from nano_engine import nano_bench
 
-from batchgen.bench.engine_run import drain, warm_up
+from batchgen.bench.engine_run import drain, submit, warm_up
+from batchgen.bench.timing import timed
 from batchgen.bench.workloads import Workload
-from batchgen.sampling_params import SamplingParams
 
 VARIANTS = {
     "plain": {},
@@ -25,18 +23,11 @@ VARIANTS = {
 
 
 def timed_run(engine, w: Workload, prefix: str, penalties: dict) -> float:
-    for i, prompt in enumerate(w.prompts):
-        params = SamplingParams(
-            max_tokens=w.max_tokens[i], temperature=w.temperature, ignore_eos=True, seed=i,
-            **penalties,
-        )  # fmt: skip
-        engine.add_request(f"{prefix}{i}", prompt, params)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    errors = drain(engine)
-    torch.cuda.synchronize()
+    """Seconds to drain the queued requests (submission not timed)."""
+    submit(engine, w, prefix, **penalties)
+    seconds, errors = timed(lambda: drain(engine), engine.runner.device)
     assert errors == 0, f"{errors} error outputs"
-    return time.perf_counter() - t0
+    return seconds
 
 
 def main() -> None:
