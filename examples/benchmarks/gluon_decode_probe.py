@@ -140,23 +140,18 @@ def _issue(k_dst, v_dst, bt_row, page, kw, vw, k_base, v_base, k_offs, v_offs, s
 
 @gluon.jit
 def gl_decode_kernel(
-    q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, out_ptr, part_acc_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, out_ptr,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
-    qk_scale, NUM_SPLITS, GROUP: gl.constexpr, W: gl.constexpr, MMA: gl.constexpr,
+    qk_scale, GROUP: gl.constexpr, W: gl.constexpr, MMA: gl.constexpr,
     K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+    # Grid (Hk, B): one (kv head, sequence) a program, all its keys (one split).
     kvh = gl.program_id(0)
     b = gl.program_id(1)
-    split = gl.program_id(2)
-    num_kv_heads = gl.num_programs(0)
     seq_len = gl.load(seq_lens_ptr + b)
-    num_pages = gl.cdiv(seq_len, 16)
-    per_split = gl.cdiv(num_pages, NUM_SPLITS)
-    p_lo = gl.minimum(split * per_split, num_pages)
-    p_hi = gl.minimum(p_lo + per_split, num_pages)
-    full_hi = gl.maximum(gl.minimum(p_hi, seq_len // 16), p_lo)  # pages with 16 valid keys
-    rounds = (full_hi - p_lo) // W  # rounds in which every warp has a full page
+    p_hi = gl.cdiv(seq_len, 16)  # pages
+    rounds = (seq_len // 16) // W  # rounds in which every warp has a full page
 
     # Q^T [W, 128 d (MMA order), 8 heads], the same in every warp; heads past GROUP zero.
     qj = _idx(128, 1, B_OP)
@@ -180,9 +175,11 @@ def gl_decode_kernel(
     acc = gl.zeros([W, 128, 8], gl.float32, MMA)
     m_i = gl.full([W, 8], float("-inf"), gl.float32, gl.SliceLayout(1, MMA))
     l_i = gl.zeros([W, 8], gl.float32, gl.SliceLayout(1, MMA))
+    # Each index, block id and mask exists once per layout (K's, V's, the scores'): Gluon types a
+    # tensor by its layout, and loading a block id twice is cheaper than moving it between lanes.
     if STAGES == 0:  # straight into registers
         for r in range(rounds):
-            page = p_lo + r * W
+            page = r * W
             k_blk = gl.load(bt_row + page + kw).to(gl.int64)
             v_blk = gl.load(bt_row + page + vw).to(gl.int64)
             k = gl.load(k_base + k_blk * stride_kb + k_offs)
@@ -194,20 +191,20 @@ def gl_decode_kernel(
         v_smem = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [STAGES, W, 16, 128], SMEM)
         for s in gl.static_range(STAGES - 1):
             if s < rounds:
-                _issue(k_smem.index(s), v_smem.index(s), bt_row, p_lo + s * W, kw, vw, k_base,
+                _issue(k_smem.index(s), v_smem.index(s), bt_row, s * W, kw, vw, k_base,
                        v_base, k_offs, v_offs, stride_kb)  # fmt: skip
             async_copy.commit_group()
         for r in range(rounds):
             nr = r + STAGES - 1
             if nr < rounds:
-                _issue(k_smem.index(nr % STAGES), v_smem.index(nr % STAGES), bt_row, p_lo + nr * W,
+                _issue(k_smem.index(nr % STAGES), v_smem.index(nr % STAGES), bt_row, nr * W,
                        kw, vw, k_base, v_base, k_offs, v_offs, stride_kb)  # fmt: skip
             async_copy.commit_group()
             async_copy.wait_group(STAGES - 1)
             k = k_smem.index(r % STAGES).load(K_LOAD)
             v = v_smem.index(r % STAGES).load(V_LOAD)
             acc, m_i, l_i = _tile(k, v, sn, q_t, acc, m_i, l_i, qk_scale, W, MMA, False)
-    page = p_lo + rounds * W
+    page = rounds * W
     if page < p_hi:
         # Last round: fewer pages than warps, or the sequence's partly filled last page.
         k_pg = page + kw
@@ -230,30 +227,20 @@ def gl_decode_kernel(
     o = gl.sum(acc * gl.expand_dims(scale, 1), 0)  # [128, 8]
     O_L: gl.constexpr = gl.SliceLayout(0, MMA)
     l_all = gl.convert_layout(l_all, gl.SliceLayout(0, O_L))
-    m_all = gl.convert_layout(m_all, gl.SliceLayout(0, O_L))
-    nonempty = l_all > 0
-    o = o / gl.expand_dims(gl.where(nonempty, l_all, 1.0), 0)
+    o = o / gl.expand_dims(gl.where(l_all > 0, l_all, 1.0), 0)  # a padding row (seq_len 0): 0
     om = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(1, O_L)), 1)
     oh = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, O_L)), 0)
-    heads = kvh * GROUP + oh
-    if NUM_SPLITS == 1:
-        o_ptrs = out_ptr + b.to(gl.int64) * stride_ob + heads * stride_oh + _v_order(om)
-        gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=oh < GROUP)
-    else:
-        lse = gl.where(nonempty, m_all + gl.log2(gl.where(nonempty, l_all, 1.0)), float("-inf"))
-        hv = kvh * GROUP + gl.arange(0, 8, layout=gl.SliceLayout(0, O_L))
-        row = (b.to(gl.int64) * (num_kv_heads * GROUP) + hv) * NUM_SPLITS + split
-        gl.store(part_acc_ptr + gl.expand_dims(row, 0) * 128 + _v_order(om), o, mask=oh < GROUP)
-        gl.store(part_lse_ptr + row, lse, mask=hv - kvh * GROUP < GROUP)
+    o_ptrs = out_ptr + b.to(gl.int64) * stride_ob + (kvh * GROUP + oh) * stride_oh + _v_order(om)
+    gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=oh < GROUP)
 
 
 def launch_probe(q, k, v, lens, tables, out, warps: int, stages: int):
     """One split, out [B, Hq, D] in q's dtype."""
     mma, k_load, v_load = layouts(warps)
-    gl_decode_kernel[(HK, q.shape[0], 1)](
-        q, k, v, lens, tables, out, out, out,
+    gl_decode_kernel[(HK, q.shape[0])](
+        q, k, v, lens, tables, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), tables.stride(0),
-        out.stride(0), out.stride(1), D**-0.5 * _LOG2E, 1,
+        out.stride(0), out.stride(1), D**-0.5 * _LOG2E,
         GROUP=HQ // HK, W=warps, MMA=mma, K_LOAD=k_load, V_LOAD=v_load, STAGES=stages,
         num_warps=warps,
     )  # fmt: skip
