@@ -178,11 +178,23 @@ def _graph_us(call, weights: list[torch.Tensor], replays: int = 3) -> float:
     return graph_median_us(run, replays) / len(weights)
 
 
+def _time_each(cands: list, time_us) -> list:
+    """(us, index, candidate) for each candidate timed with time_us(candidate); one that
+    cuBLASLt refuses when it runs (CublasLtError) is left out, and the others still count."""
+    from batchgen.kernels.cublaslt import CublasLtError
+
+    timed = []
+    for cand in cands:
+        try:
+            timed.append((time_us(cand), cand.index, cand))
+        except CublasLtError:
+            continue
+    return timed
+
+
 def _refine(product, timed: list, time_us) -> list:
     """The TUNE_REFINE fastest of timed ((us, index, candidate)) with each of TUNE_CLUSTERS,
     where cuBLASLt accepts them for the product's shape, timed with time_us(candidate)."""
-    from batchgen.kernels.cublaslt import CublasLtError
-
     seen = {bytes(c.algo) for _, _, c in timed}
     extra = []
     for _, _, cand in sorted(timed, key=lambda t: t[:2])[:TUNE_REFINE]:
@@ -192,12 +204,8 @@ def _refine(product, timed: list, time_us) -> list:
                 continue
             seen.add(bytes(var.algo))
             var = product.check(var, var.index)
-            if var is None:
-                continue
-            try:
-                extra.append((time_us(var), var.index, var))
-            except CublasLtError:
-                continue
+            if var is not None:
+                extra += _time_each([var], time_us)
     return extra
 
 
@@ -206,8 +214,6 @@ def _tile_search(product, timed: list, time_us) -> list:
     for each base (the fastest of timed, the heuristic's first, its first with split-K), every
     tile cuBLASLt lists and accepts for the shape, then the TUNE_TILE_TOP fastest of those with
     every custom option and cluster shape (cluster 0: cuBLASLt's choice)."""
-    from batchgen.kernels.cublaslt import CublasLtError
-
     seen = {bytes(c.algo) for _, _, c in timed}
     extra = []
 
@@ -217,14 +223,9 @@ def _tile_search(product, timed: list, time_us) -> list:
             return None
         seen.add(bytes(var.algo))
         var = product.check(var, var.index)
-        if var is None:
-            return None
-        try:
-            us = time_us(var)
-        except CublasLtError:
-            return None
-        extra.append((us, var.index, var))
-        return us
+        got = _time_each([var], time_us) if var is not None else []
+        extra.extend(got)
+        return got[0][0] if got else None
 
     ranked = [c for _, _, c in sorted(timed, key=lambda t: t[:2])]
     own = [c for _, _, c in timed if c.index < TUNE_CANDIDATES]
@@ -245,8 +246,6 @@ def _tile_search(product, timed: list, time_us) -> list:
 
 def _time_shape(weights: list[torch.Tensor], accumulate: bool, m: int, product) -> dict:
     """Time cuBLAS and the candidates at m rows over weights: the cache record."""
-    from batchgen.kernels.cublaslt import CublasLtError
-
     w0 = weights[0]
     n, k = w0.shape
     x = torch.randn(m, k, device=w0.device, dtype=w0.dtype)
@@ -261,20 +260,14 @@ def _time_shape(weights: list[torch.Tensor], accumulate: bool, m: int, product) 
     def time_us(cand, ws: list[torch.Tensor] = screen, replays: int = 3) -> float:
         return _graph_us(lambda w: product(x, w, cand, out=out), ws, replays)
 
-    try:
-        timed = [
-            (time_us(cand), cand.index, cand)
-            for cand in candidates(product, TUNE_CANDIDATES, bool(TUNE_WIDEN))
-        ]
-        timed += _refine(product, timed, time_us)
-        if timed and TUNE_TILES_MIN_ROWS and m >= TUNE_TILES_MIN_ROWS:
-            timed += _tile_search(product, timed, time_us)
-    except CublasLtError:
-        timed = []
+    timed = _time_each(candidates(product, TUNE_CANDIDATES, bool(TUNE_WIDEN)), time_us)
+    timed += _refine(product, timed, time_us)
+    if timed and TUNE_TILES_MIN_ROWS and m >= TUNE_TILES_MIN_ROWS:
+        timed += _tile_search(product, timed, time_us)
+    finalists = [c for _, _, c in sorted(timed, key=lambda t: t[:2])[: max(1, TUNE_CONFIRM)]]
     base = cublas_us(weights, CONFIRM_REPLAYS)
+    confirmed = _time_each(finalists, lambda c: time_us(c, weights, CONFIRM_REPLAYS))
     record = {"algo": None, "us": base, "cublas_us": base}
-    finalists = sorted(timed, key=lambda t: t[:2])[: max(1, TUNE_CONFIRM)]
-    confirmed = [(time_us(c, weights, CONFIRM_REPLAYS), i, c) for _, i, c in finalists]
     if confirmed:
         best_us, _, best = min(confirmed, key=lambda t: t[:2])
         if best_us < base * (1 - TUNE_MIN_GAIN):
@@ -322,6 +315,7 @@ def tune_projections(
             continue
         lt_version = lt_version or version()
         n, k = w0.shape
+        timed_before = report.timed
         for m in sorted(set(rows)):
             report.shapes += 1
             try:
@@ -342,9 +336,10 @@ def tune_projections(
                 report.tuned += 1
                 report.cublas_us += record["cublas_us"]
                 report.tuned_us += record["us"]
+        # Saved per projection, so a run stopped while tuning keeps the shapes it timed.
+        if use_cache and report.timed > timed_before:
+            _save_cache(path)
     if report.shapes:
         torch.cuda.synchronize()
-    if use_cache and report.timed:
-        _save_cache(path)
     report.seconds = time.perf_counter() - t0
     return report

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from batchgen.kernels.cublaslt import Candidate, _Algo
+from batchgen.kernels.cublaslt import Candidate, CublasLtError, _Algo
 
 from batchgen.layers import gemm_tuning, linear
 from batchgen.models.loader import load_model
@@ -244,3 +244,55 @@ def test_malformed_cache_records_are_dropped(fresh_cache, tmp_path):
     path.write_text(json.dumps({"version": gemm_tuning.CACHE_VERSION, "results": results}))
     gemm_tuning._load_cache(str(path))
     assert gemm_tuning._results == {"good": good}
+
+
+class TimedCandidate:
+    """Stands in for a cublaslt.Candidate in _time_shape: a time, or a refusal at run time."""
+
+    def __init__(self, index: int, us: float | None):
+        self.index, self.us = index, us  # us None: cuBLASLt refuses it when it runs
+        self.algo = bytes([index])
+
+    def variant(self, index, **config):
+        return None  # no cluster / tile variants: only the listed candidates are timed
+
+    def to_hex(self) -> str:
+        return f"cand{self.index}"
+
+
+class RefusingProduct:
+    """An LtProduct stand-in whose candidates either run (and say which ran) or raise."""
+
+    accumulate = False
+    last = None
+
+    def __call__(self, x, w, cand, out=None):
+        if cand.us is None:
+            raise CublasLtError("cublasLtMatmul failed with cublasStatus 13")
+        self.last = cand
+        return out
+
+
+@pytest.mark.parametrize("refused", [[1], [0, 1, 2]], ids=["one", "all"])
+def test_time_shape_leaves_out_only_refused_candidates(monkeypatch, refused):
+    # Candidate 1 is refused at run time; 2 is the fastest. One refusal must not throw away the
+    # others' timings (it used to: the shape then stayed on cuBLAS).
+    product = RefusingProduct()
+    times = [90.0, 70.0, 80.0]
+    cands = [TimedCandidate(i, None if i in refused else us) for i, us in enumerate(times)]
+
+    def graph_us(call, ws, replays=3):
+        product.last = None
+        for w in ws:
+            call(w)
+        return 100.0 if product.last is None else product.last.us  # None ran: cuBLAS
+
+    monkeypatch.setattr(gemm_tuning, "_graph_us", graph_us)
+    monkeypatch.setattr(gemm_tuning, "candidates", lambda product, count, widen: cands)
+    w = [torch.randn(24, 16) for _ in range(2)]
+    record = gemm_tuning._time_shape(w, False, 8, product)
+    assert record["cublas_us"] == 100.0
+    if len(refused) == 1:
+        assert record == {"algo": "cand2", "us": 80.0, "cublas_us": 100.0}
+    else:
+        assert record == {"algo": None, "us": 100.0, "cublas_us": 100.0}
