@@ -244,29 +244,38 @@ def _tile_search(product, timed: list, time_us) -> list:
     return extra
 
 
+def screened(weights: list[torch.Tensor], m: int, product, x, out) -> list:
+    """The screening of product's candidates at m rows (x [m, K], out [m, N]) on the first
+    layers' weights: (us, index, candidate), fastest first."""
+    w0 = weights[0]
+    screen = weights[: max(2, -(-SCREEN_BYTES // (w0.numel() * w0.element_size())))]
+
+    def time_us(cand) -> float:
+        return _graph_us(lambda w: product(x, w, cand, out=out), screen, 3)
+
+    timed = _time_each(candidates(product, TUNE_CANDIDATES, bool(TUNE_WIDEN)), time_us)
+    timed += _refine(product, timed, time_us)
+    if timed and TUNE_TILES_MIN_ROWS and m >= TUNE_TILES_MIN_ROWS:
+        timed += _tile_search(product, timed, time_us)
+    return sorted(timed, key=lambda t: t[:2])
+
+
 def _time_shape(weights: list[torch.Tensor], accumulate: bool, m: int, product) -> dict:
     """Time cuBLAS and the candidates at m rows over weights: the cache record."""
     w0 = weights[0]
     n, k = w0.shape
     x = torch.randn(m, k, device=w0.device, dtype=w0.dtype)
     out = torch.zeros(m, n, device=w0.device, dtype=w0.dtype)
-    screen = weights[: max(2, -(-SCREEN_BYTES // (w0.numel() * w0.element_size())))]
+    finalists = [c for _, _, c in screened(weights, m, product, x, out)[: max(1, TUNE_CONFIRM)]]
+    if accumulate:
+        base = _graph_us(lambda w: out.addmm_(x, w.t()), weights, CONFIRM_REPLAYS)
+    else:
+        base = _graph_us(lambda w: F.linear(x, w), weights, CONFIRM_REPLAYS)
 
-    def cublas_us(ws: list[torch.Tensor], replays: int) -> float:
-        if accumulate:
-            return _graph_us(lambda w: out.addmm_(x, w.t()), ws, replays)
-        return _graph_us(lambda w: F.linear(x, w), ws, replays)
+    def confirm_us(cand) -> float:
+        return _graph_us(lambda w: product(x, w, cand, out=out), weights, CONFIRM_REPLAYS)
 
-    def time_us(cand, ws: list[torch.Tensor] = screen, replays: int = 3) -> float:
-        return _graph_us(lambda w: product(x, w, cand, out=out), ws, replays)
-
-    timed = _time_each(candidates(product, TUNE_CANDIDATES, bool(TUNE_WIDEN)), time_us)
-    timed += _refine(product, timed, time_us)
-    if timed and TUNE_TILES_MIN_ROWS and m >= TUNE_TILES_MIN_ROWS:
-        timed += _tile_search(product, timed, time_us)
-    finalists = [c for _, _, c in sorted(timed, key=lambda t: t[:2])[: max(1, TUNE_CONFIRM)]]
-    base = cublas_us(weights, CONFIRM_REPLAYS)
-    confirmed = _time_each(finalists, lambda c: time_us(c, weights, CONFIRM_REPLAYS))
+    confirmed = _time_each(finalists, confirm_us)
     record = {"algo": None, "us": base, "cublas_us": base}
     if confirmed:
         best_us, _, best = min(confirmed, key=lambda t: t[:2])

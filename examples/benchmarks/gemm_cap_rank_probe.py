@@ -1,8 +1,8 @@
 """Does `tune_gemms` rank cuBLASLt's algorithms the way the power cap would? For llama3.1-8b's
-four projections at a few row counts: the tuner's screening (the same candidates, refinements
-and tile search), then its TUNE_KEEP fastest and cuBLAS each replayed back to back over all 32
-layers' weights at the 700 W cap a nano run sits at (energy_probe.measure), beside the burst
-timing the tuner chooses by.
+four projections at a few row counts: the tuner's screening (gemm_tuning.screened: its
+candidates, refinements and tile search), then its TUNE_KEEP fastest and cuBLAS, each replayed
+back to back over all 32 layers' weights at the 700 W cap a nano run sits at
+(energy_probe.measure), beside the burst timing the tuner chooses by.
 
 If the algorithm that is fastest in a burst is not the one that takes least time (and energy)
 at the cap, choosing by a sustained timing would be a lever; if the ranks agree, the tuner's
@@ -34,22 +34,6 @@ NAMES = ("qkv", "o", "gate_up", "down")  # projection_groups' order
 energy_probe.WARM, energy_probe.SECONDS = 0.7, 1.0
 
 
-def screened(weights, accumulate: bool, m: int, product, x, out) -> list:
-    """The tuner's screening of product at m rows: (us, index, candidate), fastest first."""
-    w0 = weights[0]
-    screen = weights[: max(2, -(-gemm_tuning.SCREEN_BYTES // (w0.numel() * w0.element_size())))]
-
-    def time_us(cand) -> float:
-        return gemm_tuning._graph_us(lambda w: product(x, w, cand, out=out), screen, 3)
-
-    cands = gemm_tuning.candidates(product, gemm_tuning.TUNE_CANDIDATES, True)
-    timed = gemm_tuning._time_each(cands, time_us)
-    timed += gemm_tuning._refine(product, timed, time_us)
-    if m >= gemm_tuning.TUNE_TILES_MIN_ROWS:
-        timed += gemm_tuning._tile_search(product, timed, time_us)
-    return sorted(timed, key=lambda t: t[:2])
-
-
 @torch.inference_mode()
 def main() -> None:
     rows = [int(m) for m in sys.argv[1:]] or [64, 128, 192, 256, 384]
@@ -67,7 +51,7 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=w0.dtype)
             out = torch.zeros(m, n, device="cuda", dtype=w0.dtype)
             product = LtProduct(m, n, k, w0.dtype, kn, k, w0.device.index, accumulate)
-            kept = screened(weights, accumulate, m, product, x, out)[:TUNE_KEEP]
+            kept = gemm_tuning.screened(weights, m, product, x, out)[:TUNE_KEEP]
 
             def cublas_step(x=x, out=out, ws=weights, acc=accumulate):
                 for w in ws:
