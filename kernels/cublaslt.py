@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +97,9 @@ def _lib() -> ctypes.CDLL:
         "cublasLtGetVersion": [],
         "cublasLtMatmul": [p] * 12 + [ptr(_Algo), p, sz, p],
         "cublasLtMatmulAlgoCapGetAttribute": [ptr(_Algo), i32, p, sz, ptr(sz)],
+        "cublasLtMatmulDescDestroy": [p],
+        "cublasLtMatrixLayoutDestroy": [p],
+        "cublasLtMatmulPreferenceDestroy": [p],
     }
     for name, args in sigs.items():
         fn = getattr(lib, name)
@@ -203,13 +207,22 @@ class Candidate:
         return out
 
 
+def _destroy(desc: ctypes.c_void_p, layouts: list[ctypes.c_void_p]) -> None:
+    """Free an LtProduct's descriptors (host memory only: no device or stream is needed)."""
+    lib = _lib()
+    for layout in layouts:
+        _check(lib.cublasLtMatrixLayoutDestroy(layout), "cublasLtMatrixLayoutDestroy")
+    _check(lib.cublasLtMatmulDescDestroy(desc), "cublasLtMatmulDescDestroy")
+
+
 class LtProduct:
     """y[M, N] = x[M, K] @ W[N, K]^T for one shape, weight layout and dtype on one device.
 
     weight_kn: W is stored K-major (its memory is W.t() contiguous, stride (1, N)); otherwise
     row-major [N, K]. x_ld: x's row stride (>= K). accumulate: out += x @ W^T (beta = 1, out
-    given) instead of out = x @ W^T. The descriptors live as long as this object; the launch
-    itself allocates nothing but y when `out` is None, so it can be captured in a CUDA graph.
+    given) instead of out = x @ W^T. The descriptors live as long as this object (close() frees
+    them at once); the launch itself allocates nothing but y when `out` is None, so it can be
+    captured in a CUDA graph (a captured launch does not need them afterwards).
     """
 
     def __init__(
@@ -234,6 +247,12 @@ class LtProduct:
             ctypes.byref(self._desc), _CUBLAS_COMPUTE_32F, _CUDA_R_32F
         )
         _check(status, "cublasLtMatmulDescCreate")
+        # Freed when this object goes (a tuning run makes thousands, one per shape it looks at)
+        # or on close(); layouts join the list as they are made, so a failure midway frees
+        # what was made before it.
+        self._layouts: list[ctypes.c_void_p] = []
+        self._finalizer = weakref.finalize(self, _destroy, self._desc, self._layouts)
+        self._finalizer.atexit = False  # at exit the process's memory goes anyway
         for attr, op in ((_DESC_TRANSA, _OP_N if weight_kn else _OP_T), (_DESC_TRANSB, _OP_N)):
             value = ctypes.c_int32(op)
             _check(
@@ -247,20 +266,35 @@ class LtProduct:
         self._alpha = ctypes.c_float(1.0)
         self._beta = ctypes.c_float(1.0 if accumulate else 0.0)
 
-    @staticmethod
-    def _layout(dt: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
+    def _layout(self, dt: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
         layout = ctypes.c_void_p()
         _check(
             _lib().cublasLtMatrixLayoutCreate(ctypes.byref(layout), dt, rows, cols, ld),
             "cublasLtMatrixLayoutCreate",
         )
+        self._layouts.append(layout)
         return layout
+
+    def close(self) -> None:
+        """Free the descriptors now; the product cannot run or list candidates after."""
+        self._finalizer()
+
+    def _open(self) -> None:
+        if not self._finalizer.alive:
+            raise CublasLtError(f"LtProduct {self.shape}: used after close()")
 
     def candidates(self, count: int = 32) -> list[Candidate]:
         """The heuristic's algorithms for this shape, best-guess first (at most `count`)."""
+        self._open()
         lib = _lib()
         pref = ctypes.c_void_p()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
+        try:
+            return self._heuristic(lib, pref, count)
+        finally:
+            lib.cublasLtMatmulPreferenceDestroy(pref)
+
+    def _heuristic(self, lib, pref: ctypes.c_void_p, count: int) -> list[Candidate]:
         limit = ctypes.c_uint64(WORKSPACE_BYTES)
         _check(
             lib.cublasLtMatmulPreferenceSetAttribute(
@@ -294,6 +328,7 @@ class LtProduct:
     def check(self, cand: Candidate, index: int) -> Candidate | None:
         """cand (found for another shape) as a candidate of this shape, if cuBLASLt accepts it
         here within the workspace; index: its rank in the caller's list."""
+        self._open()
         result = _Heuristic()
         status = _lib().cublasLtMatmulAlgoCheck(
             _handle(self.device), self._desc, self._a, self._b, self._d, self._d,
@@ -308,6 +343,7 @@ class LtProduct:
     ) -> torch.Tensor:
         """Launch on the current stream: x [M, K] (row stride x_ld), w [N, K] in the layout
         given at construction; returns out [M, N] (contiguous; required to accumulate)."""
+        self._open()
         m, n, _ = self.shape
         if out is None:
             if self.accumulate:

@@ -3,10 +3,12 @@ projections equal torch's within bf16 rounding."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
-from batchgen.kernels.cublaslt import LtProduct
+from batchgen.kernels.cublaslt import CublasLtError, LtProduct
 
 from batchgen.layers import gemm_tuning, linear
 
@@ -124,3 +126,28 @@ def test_tuning_stopped_midway_keeps_what_it_timed(monkeypatch, tmp_path):
         assert again.shapes == 2 and again.timed == 0  # both came from the file
     finally:
         linear.clear_tuning()
+
+
+def test_closed_product_frees_its_descriptors_and_refuses_to_run():
+    product, x, w, _, ref = product_case(16, False, False, seed=3)
+    cand = product.candidates(1)[0]
+    close(product(x, w, cand), ref)
+    product.close()  # frees the descriptors (raises if cuBLASLt refuses to)
+    assert not product._finalizer.alive
+    for use in (lambda: product(x, w, cand), lambda: product.candidates(1)):
+        with pytest.raises(CublasLtError, match="after close"):
+            use()
+    product.close()  # a second close does nothing
+
+
+def test_dropped_products_free_their_descriptors():
+    # The tuner makes one product per shape it looks at, thousands a run: each is freed when
+    # it goes, not at exit.
+    finalizers = []
+    for m in (8, 16, 24):
+        product = LtProduct(m, 384, 1024, torch.bfloat16, False, 1024, torch.cuda.current_device())
+        assert product.candidates(2)
+        finalizers.append(product._finalizer)
+    del product
+    gc.collect()
+    assert not any(f.alive for f in finalizers)
