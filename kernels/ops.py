@@ -11,6 +11,7 @@ from . import decode_attention as _decode
 from . import kv_cache as _kv_cache
 from . import logprobs as _logprobs
 from . import paged_attention as _prefill
+from . import penalties as _penalties
 from . import rms_norm as _rms_norm
 from . import rope_store as _rope_store
 from . import rotary as _rotary
@@ -23,6 +24,7 @@ __all__ = [
     "fused_add_rms_norm",
     "paged_attention",
     "paged_attention_decode",
+    "penalise_logits",
     "rms_norm",
     "rms_scale_rows",
     "rope_and_store_kv",
@@ -193,6 +195,27 @@ def sample_gumbel(
     if temperatures is None or logits.dtype not in (torch.bfloat16, torch.float16):
         logits = logits.float()
     return _sampling.gumbel_argmax(logits.contiguous(), seeds, steps, temperatures)
+
+
+def penalise_logits(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    ints: torch.Tensor,
+    floats: torch.Tensor,
+    counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Repetition, frequency and presence penalties on logits [N, V] float32 in place, from
+    token histories ids [R, W] int32; ints [4, P] int64 (logits row, ids row, history length,
+    prompt length) and floats [3, P] float32 (repetition, frequency, presence) per penalised
+    row. counts: the kernel's zeroed int32 scratch [C, >= V] (kept zero), allocated here when
+    None; unused by the reference. Returns logits."""
+    if not (HAS_TRITON and logits.is_cuda):
+        return _penalties.penalise_logits_ref(logits, ids, ints, floats)
+    if counts is None:
+        vocab = logits.shape[1]
+        rows = _penalties.scratch_rows(vocab)
+        counts = torch.zeros(rows, vocab, dtype=torch.int32, device=logits.device)
+    return _penalties.penalise_logits(logits, ids, ints, floats, counts)
 
 
 def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:

@@ -18,10 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.engine.host_to_device import to_device
+from batchgen.kernels import ops
+from batchgen.kernels.penalties import scratch_rows
 from batchgen.sampling_params import SamplingParams
 
-# History positions penalised per pass (rows x the longest history): bounds the [rows, W]
-# int64 temporaries at about 32 MB each whatever the batch and context length.
+# History positions penalised per pass (rows x the longest history): bounds the torch
+# reference's [rows, W] int64 temporaries (the CPU path) at about 32 MB each whatever the batch
+# and context length. The CUDA kernel needs no temporaries; its scratch is bounded by rows.
 CHUNK_POSITIONS = 1 << 22
 _MIN_ROWS, _MIN_WIDTH = 16, 256
 
@@ -58,6 +61,7 @@ class PenaltyHistory:
         self.row_of: dict[int, int] = {}  # key -> buffer row
         self.held: dict[int, int] = {}  # key -> ids of it the buffer holds
         self.free: list[int] = []
+        self.counts: torch.Tensor | None = None  # the kernel's [C, V] int32 scratch, zero
 
     def reset(self) -> None:
         """Forget every sequence (a new engine over the same runner numbers its own)."""
@@ -154,39 +158,28 @@ class PenaltyHistory:
             self.ids[:, : old.shape[1]] = old
 
     def _penalise(self, logits, rows, buf_rows, lengths, prompt_lens, params) -> None:
-        # Only the logits of ids in the histories are read and written: [P, W] work (W the
-        # longest history), no pass over the [P, V] logits. Every id of a history is seen, so
-        # each gets the one value rep(logit) - (frequency x count + presence x (count > 0)),
-        # count its occurrences among the outputs (0 for an id only in the prompt); a repeated
-        # id computes and writes that same value again.
-        device, vocab = logits.device, logits.shape[1]
-        width = max(lengths)
+        # Only the logits of ids in the histories are read and written (ops.penalise_logits:
+        # a Triton kernel on CUDA, the [P, W] torch reference on CPU); the host sends four
+        # ints and three floats a row.
+        device = logits.device
         rep = [p.repetition_penalty for p in params]
         freq = [p.frequency_penalty for p in params]
         pres = [p.presence_penalty for p in params]
         ints = self.stage([rows, buf_rows, lengths, prompt_lens], torch.int64, device)  # [4, P]
         floats = self.stage([rep, freq, pres], torch.float32, device)  # [3, P]
-        pos = torch.arange(width, device=device).unsqueeze(0)  # [1, W]
-        valid = pos < ints[2].unsqueeze(1)  # [P, W]
-        hist = self.ids[ints[1], :width].long()  # [P, W]
-        # Positions past a history's end stand for its first id (prompts are never empty).
-        hist = torch.where(valid, hist, hist[:, :1])
-        flat = ints[0].unsqueeze(1) * vocab + hist  # [P, W] into logits.view(-1)
-        values = logits.view(-1)[flat]  # the logits before any write
-        if any(r != 1.0 for r in rep):
-            r = floats[0].unsqueeze(1)
-            values = torch.where(values > 0, values / r, values * r)
-        if any(freq) or any(pres):
-            # Each position's id counted among the outputs: the outputs sorted per row (other
-            # positions as vocab, past every id), then two binary searches.
-            outputs = valid & (pos >= ints[3].unsqueeze(1))
-            ranked = torch.where(outputs, hist, vocab).sort(dim=1).values
-            count = torch.searchsorted(ranked, hist, right=True) - torch.searchsorted(ranked, hist)
-            count = count.float()
-            values = values - (
-                floats[1].unsqueeze(1) * count + floats[2].unsqueeze(1) * (count > 0)
-            )
-        logits.view(-1)[flat] = values
+        ops.penalise_logits(logits, self.ids, ints, floats, self._counts(logits))
+
+    def _counts(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The kernel's zeroed counter scratch for this vocabulary (kept: the kernel leaves
+        it zero); None off CUDA, where the reference needs none."""
+        if not logits.is_cuda:
+            return None
+        vocab = logits.shape[1]
+        c = self.counts
+        if c is None or c.shape[1] != vocab or c.device != logits.device:
+            rows = scratch_rows(vocab)
+            c = self.counts = torch.zeros(rows, vocab, dtype=torch.int32, device=logits.device)
+        return c
 
 
 def apply_penalties_ref(

@@ -143,11 +143,17 @@ class Sampler:
         """logits: [M, V] -> [M] tokens, by Gumbel-max over the filtered, tempered logits."""
         device = logits.device
         temps = self.stage([p.temperature for p in params], torch.float32, device)
-        logits = logits.div_(temps.unsqueeze(1))  # [M, V]; in place: the caller's copy is ours
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
-        if any(k > 0 for k in top_k) or any(x < 1.0 for x in top_p):
+        filtered = any(k > 0 for k in top_k) or any(x < 1.0 for x in top_p)
+        if not (filtered or any(x > 0 for x in min_p)):
+            # No filter (e.g. penalised rows): the kernel divides as it reads, one [M, V]
+            # pass fewer, and draws what the division below would.
+            seed_t, step_t = self._keys(seeds, steps, device)
+            return ops.sample_gumbel(logits, seed_t, step_t, temps)
+        logits = logits.div_(temps.unsqueeze(1))  # [M, V]; in place: the caller's copy is ours
+        if filtered:
             logits = _top_k_top_p(logits, top_k, top_p, self.stage)
         if any(x > 0 for x in min_p):
             probs = torch.softmax(logits, dim=-1)

@@ -3,17 +3,26 @@ temperature sampling, same engine and requests: what a job that sets a penalty p
 
 Usage (CUDA machine, repo root): python examples/benchmarks/penalty_probe.py [PRESET] [N]
 (PRESET default qwen3-0.6b; N requests, default 256).
+`penalty_probe.py step [VOCAB]`: one sampling step alone (Sampler.sample, 256 rows of
+1,100-id histories, bf16 logits of VOCAB ids, default 151,936) per variant: host us to enqueue
+it and us a step back to back (the larger of host and GPU).
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
+import torch
 from nano_engine import nano_bench
 
 from batchgen.bench.engine_run import drain, submit, warm_up
-from batchgen.bench.timing import timed
+from batchgen.bench.timing import synchronize, timed
 from batchgen.bench.workloads import Workload
+from batchgen.engine.penalties import History
+from batchgen.engine.sampler import Sampler, SamplingBatch
+from batchgen.engine.sequence import PENDING_TOKEN
+from batchgen.sampling_params import SamplingParams
 
 VARIANTS = {
     "plain": {},
@@ -30,7 +39,42 @@ def timed_run(engine, w: Workload, prefix: str, penalties: dict) -> float:
     return seconds
 
 
+def sampler_step(vocab: int, rows: int = 256, length: int = 1100, reps: int = 100) -> None:
+    """Per variant: host us to enqueue Sampler.sample, and us a step over reps back to back."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, vocab, generator=g).to(device, torch.bfloat16)
+    prompts = [torch.randint(0, min(vocab, 10000), (length,), generator=g).tolist() for _ in range(rows)]
+    for name in VARIANTS:
+        params = [SamplingParams(temperature=0.6, **VARIANTS[name])] * rows
+        sampler = Sampler()
+        ids = [list(p[: length // 2]) for p in prompts]
+        histories = [History(i, ids[i], length // 2) for i in range(rows)]
+        batch = SamplingBatch(
+            params, list(range(rows)), [0] * rows,
+            histories if VARIANTS[name] else [None] * rows, [[]] * rows,
+        )  # fmt: skip
+        host = []
+        for rep in range(2 * reps):  # the first reps warm (compiles, buffers)
+            if rep == reps:
+                synchronize(device)
+                start = time.perf_counter()
+            t0 = time.perf_counter()
+            sampler.sample(logits, batch)
+            host.append(time.perf_counter() - t0)
+            batch.steps[:] = [rep + 1] * rows
+            for h in ids:
+                h.append(PENDING_TOKEN)  # the drawn token, in flight: as the engine's lists
+        synchronize(device)
+        step = (time.perf_counter() - start) / reps
+        print(f"step {name:30s} host {1e6 * sum(host[reps:]) / reps:7.0f} us, "
+              f"back to back {1e6 * step:7.0f} us a step", flush=True)  # fmt: skip
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["step"]:
+        sampler_step(int(sys.argv[2]) if len(sys.argv) > 2 else 151_936)
+        return
     preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 256
     bench, w, _ = nano_bench(preset)

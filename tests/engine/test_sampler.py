@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
+from batchgen.kernels.sampling import gumbel_argmax_ref
 
-from batchgen.engine.penalties import History
+from batchgen.engine.penalties import History, apply_penalties_ref
 from batchgen.engine.sampler import Sampler, SamplingBatch, _top_k_top_p
 from batchgen.sampling_params import SamplingParams
 
@@ -76,16 +77,48 @@ def test_penalties():
     assert s(logits.clone(), batch(pres, output=[[0, 0, 0]]))[0] == [0]  # once, not per count
 
 
+def _divided_draws(logits, params, seeds, steps):
+    """Divide by each row's temperature, then draw: the unfused rule."""
+    temps = torch.tensor([p.temperature for p in params])
+    return gumbel_argmax_ref(
+        logits / temps[:, None], torch.tensor(seeds), torch.tensor(steps)
+    ).tolist()
+
+
 def test_temperature_only_batches_take_the_fused_path_with_the_same_draws(monkeypatch):
     logits = 3 * torch.randn(64, 500, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=0.2 + 0.05 * i) for i in range(64)]
-    b = batch(params, seeds=list(range(64)), steps=[i % 7 for i in range(64)])
+    seeds, steps = list(range(64)), [i % 7 for i in range(64)]
+    b = batch(params, seeds=seeds, steps=steps)
     assert Sampler._plain(b)
+    want = _divided_draws(logits, params, seeds, steps)
+    assert want != _divided_draws(logits, [SamplingParams()] * 64, seeds, steps)
     fused, _ = Sampler().sample(logits.clone(), b)
+    assert fused.tolist() == want
     monkeypatch.setattr(Sampler, "_plain", staticmethod(lambda batch: False))
-    general, _ = Sampler().sample(logits.clone(), b)
-    assert fused.tolist() == general.tolist()
+    general, _ = Sampler().sample(logits.clone(), b)  # _sample: no filter, divides in the draw
+    assert general.tolist() == want
     assert not Sampler._plain(batch([SamplingParams(temperature=0.5, top_k=5)]))
+
+
+def test_penalised_rows_draw_as_penalties_then_division():
+    logits = 3 * torch.randn(16, 40, generator=torch.Generator().manual_seed(2))
+    params = [
+        SamplingParams(temperature=0.3 + 0.1 * i, repetition_penalty=1.5, frequency_penalty=0.5)
+        for i in range(16)
+    ]
+    top = logits.topk(3).indices.tolist()  # penalise each row's likeliest ids
+    prompt = [[t[0], 7] for t in top]
+    output = [[t[1], t[1], t[2]] for t in top]
+    seeds, steps = list(range(16)), [3] * 16
+    penalised = logits.clone()
+    apply_penalties_ref(
+        penalised, [History(i, prompt[i] + output[i], 2) for i in range(16)], params
+    )
+    want = _divided_draws(penalised, params, seeds, steps)
+    got, _ = Sampler().sample(logits.clone(), batch(params, seeds, steps, prompt, output))
+    assert got.tolist() == want
+    assert want != _divided_draws(logits, params, seeds, steps)  # the penalties count
 
 
 def test_sizes_past_the_vocabulary_do_not_fail_the_batch():
