@@ -44,7 +44,9 @@ def sampler_step(vocab: int, rows: int = 256, length: int = 1100, reps: int = 10
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(rows, vocab, generator=g).to(device, torch.bfloat16)
-    prompts = [torch.randint(0, min(vocab, 10000), (length,), generator=g).tolist() for _ in range(rows)]
+    prompts = [
+        torch.randint(0, min(vocab, 10000), (length,), generator=g).tolist() for _ in range(rows)
+    ]
     for name in VARIANTS:
         params = [SamplingParams(temperature=0.6, **VARIANTS[name])] * rows
         sampler = Sampler()
