@@ -212,9 +212,7 @@ def penalise_logits(
     if not (HAS_TRITON and logits.is_cuda):
         return _penalties.penalise_logits_ref(logits, ids, ints, floats)
     if counts is None:
-        vocab = logits.shape[1]
-        rows = _penalties.scratch_rows(vocab)
-        counts = torch.zeros(rows, vocab, dtype=torch.int32, device=logits.device)
+        counts = _penalties.new_scratch(logits.shape[1], logits.device)
     return _penalties.penalise_logits(logits, ids, ints, floats, counts)
 
 

@@ -100,6 +100,12 @@ def scratch_rows(vocab: int) -> int:
     return max(1, SCRATCH_BYTES // (4 * vocab))
 
 
+def new_scratch(vocab: int, device: torch.device) -> torch.Tensor:
+    """The kernel's zeroed int32 counters [scratch_rows(vocab), vocab] (keep it: each launch
+    leaves it zero)."""
+    return torch.zeros(scratch_rows(vocab), vocab, dtype=torch.int32, device=device)
+
+
 def penalise_logits(
     logits: torch.Tensor,
     ids: torch.Tensor,

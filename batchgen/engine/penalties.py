@@ -19,7 +19,7 @@ import torch
 
 from batchgen.engine.host_to_device import to_device
 from batchgen.kernels import ops
-from batchgen.kernels.penalties import scratch_rows
+from batchgen.kernels.penalties import new_scratch
 from batchgen.sampling_params import SamplingParams
 
 # History positions penalised per pass (rows x the longest history): bounds the torch
@@ -174,11 +174,9 @@ class PenaltyHistory:
         it zero); None off CUDA, where the reference needs none."""
         if not logits.is_cuda:
             return None
-        vocab = logits.shape[1]
         c = self.counts
-        if c is None or c.shape[1] != vocab or c.device != logits.device:
-            rows = scratch_rows(vocab)
-            c = self.counts = torch.zeros(rows, vocab, dtype=torch.int32, device=logits.device)
+        if c is None or c.shape[1] != logits.shape[1] or c.device != logits.device:
+            c = self.counts = new_scratch(logits.shape[1], logits.device)
         return c
 
 

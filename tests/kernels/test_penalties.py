@@ -1,5 +1,6 @@
 """penalise_logits: the Triton kernel against its torch reference (exact under the interpreter),
-the reference against the per-row host formula, scratch kept zero, bad ids and arguments."""
+the reference against the engine's per-row host reference, scratch kept zero, bad ids and
+arguments."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import random
 import pytest
 import torch
 from batchgen.kernels.penalties import penalise_logits, penalise_logits_ref, scratch_rows
+
+from batchgen.engine.penalties import History, apply_penalties_ref
+from batchgen.sampling_params import SamplingParams
 
 
 def _case(rows: int, vocab: int, seed: int, max_len: int = 40, n_logits: int | None = None):
@@ -43,21 +47,6 @@ def _case(rows: int, vocab: int, seed: int, max_len: int = 40, n_logits: int | N
     return logits, ids, ints, floats, hist
 
 
-def _host_formula(logits, ints, floats, hist):
-    """Row by row from the (prompt, outputs) lists: rep over every seen id, then frequency x
-    count and presence once, over the outputs."""
-    out = logits.clone()
-    for p, (prompt, outputs) in enumerate(hist):
-        row = int(ints[0, p])
-        r, f, pres = (float(x) for x in floats[:, p])
-        for t in set(prompt) | set(outputs):
-            x = out[row, t]
-            x = x / r if x > 0 else x * r
-            n = outputs.count(t)
-            out[row, t] = x - (f * n + pres * (n > 0))
-    return out
-
-
 @pytest.mark.parametrize(
     "rows, vocab, scratch", [(1, 16, 1), (7, 50, 2), (12, 300, 5), (5, 3000, 8)]
 )
@@ -88,10 +77,21 @@ def test_long_histories_span_several_blocks(device):
     assert int(ints[2].max()) > 1024
 
 
-def test_reference_equals_the_host_formula():
+def test_reference_equals_the_engines_per_row_reference():
     logits, ids, ints, floats, hist = _case(9, 60, seed=11)
     got = penalise_logits_ref(logits.clone(), ids, ints, floats)
-    torch.testing.assert_close(got, _host_formula(logits, ints, floats, hist), rtol=0, atol=1e-6)
+    # The engine's per-row reference over host-side histories, one History per logits row.
+    histories: list = [None] * logits.shape[0]
+    params = [SamplingParams()] * logits.shape[0]
+    for p, (prompt, outputs) in enumerate(hist):
+        row = int(ints[0, p])
+        histories[row] = History(p, prompt + outputs, len(prompt))
+        rep, freq, pres = (float(x) for x in floats[:, p])
+        params[row] = SamplingParams(
+            repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres
+        )
+    want = apply_penalties_ref(logits.clone(), histories, params)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 def test_ids_past_the_vocabulary_are_never_written(device):
