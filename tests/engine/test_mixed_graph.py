@@ -13,10 +13,17 @@ import pytest
 from batchgen.config import EngineConfig
 from batchgen.engine.cuda_graph import bucket_sizes, smallest_bucket
 from batchgen.engine.llm_engine import LLMEngine
-from batchgen.engine.mixed_graph import MixedGraphs, mixed_bucket_sizes, padding_rows
+from batchgen.engine.mixed_graph import (
+    MIXED_BUCKET_STEP,
+    MixedGraphs,
+    mixed_bucket_sizes,
+    padding_rows,
+)
 from batchgen.sampling_params import SamplingParams
 
 CHUNK = 24
+# Decode buckets every 8 rows, for the layout's unit tests (their padding counts assume them).
+EIGHT_ROW_BUCKETS = [1, 2, 4, 8, *range(16, 256, 8), 256]
 
 
 def requests():
@@ -83,18 +90,23 @@ def run(path: str, chunk: int, graphs: bool):
     return results, used
 
 
+@pytest.mark.parametrize("step", [8, MIXED_BUCKET_STEP])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_mixed_graph_layout_equals_eager_steps(tiny_model_dir, arch):
+def test_mixed_graph_layout_equals_eager_steps(tiny_model_dir, monkeypatch, arch, step):
+    from batchgen.engine import mixed_graph
+
+    monkeypatch.setattr(mixed_graph, "MIXED_BUCKET_STEP", step)
     path = tiny_model_dir(arch)
     want, _ = run(path, CHUNK, graphs=False)
     got, used = run(path, CHUNK, graphs=True)
     assert got == want
     # Mixed steps ran through the graph layout: decode counts between buckets (padding decode
-    # rows), chunks of several prompts, and chunks shorter than P (padding chunk rows).
+    # rows) and chunks of several prompts; with 8-row buckets (up to 7 padding rows to fill),
+    # also chunks shorter than P (padding chunk rows).
     assert len(used) > 10
     assert any(d not in mixed_bucket_sizes(256) for d, _, _, _ in used)
     assert any(n > 1 for _, n, _, _ in used)
-    assert any(c < CHUNK for _, _, c, _ in used)
+    assert step != 8 or any(c < CHUNK for _, _, c, _ in used)
     # Chunks past P: tokens rode in the padding decode rows (the scheduler was given the
     # graphs' padding through the runner), within the bucket's padding; some prompts' first
     # tokens were sampled from such a row.
@@ -134,7 +146,7 @@ def test_no_riding_rows_when_switched_off(monkeypatch):
     from batchgen.engine import mixed_graph
 
     graphs = MixedGraphs.__new__(MixedGraphs)
-    graphs.sizes, graphs.chunk = mixed_bucket_sizes(256), 10
+    graphs.sizes, graphs.chunk = EIGHT_ROW_BUCKETS, 10
     assert graphs.riding_rows(19) == 5
     monkeypatch.setattr(mixed_graph, "RIDE_PADDING_ROWS", 0)
     assert graphs.riding_rows(19) == 0
@@ -147,7 +159,7 @@ def test_layout_rides_the_earliest_tokens_in_padding_rows():
     from batchgen.engine.step_inputs import StepInputs
 
     graphs = MixedGraphs.__new__(MixedGraphs)  # the layout needs only the buckets and P
-    graphs.sizes, graphs.chunk = mixed_bucket_sizes(256), 10
+    graphs.sizes, graphs.chunk = EIGHT_ROW_BUCKETS, 10
     # 19 decode rows (bucket 24: 5 padding rows), then prompt pieces a (positions 40-45),
     # b (0-2, a fresh prompt) and c (7-11).
     d = 19
@@ -169,10 +181,15 @@ def test_layout_rides_the_earliest_tokens_in_padding_rows():
     assert graphs.graph_rows(step, [0, d + 5, d + 8, d + 13]) == [0, 29, 21, 33]
 
 
-def test_mixed_graphs_bucket_decode_rows_finer():
-    """Mixed graphs pad decode rows to every 8 (their projections run at or past the ridge,
-    where a padded row costs compute); decode graphs to every 16; both end at max_num_seqs."""
+def test_mixed_graph_buckets_are_multiples_of_the_step():
+    """Mixed graphs pad decode rows to 1, 2, 4, 8, 16, then the multiples of MIXED_BUCKET_STEP
+    (32: with P = 128 a step's rows are then a multiple of 32 and its padding rows, which carry
+    prompt tokens, up to 31); decode graphs every 16 from 16; both end at max_num_seqs."""
+    assert MIXED_BUCKET_STEP == 32
     assert bucket_sizes(256) == [1, 2, 4, 8, *range(16, 256, 16), 256]
-    assert mixed_bucket_sizes(256) == [1, 2, 4, 8, *range(16, 256, 8), 256]
+    assert mixed_bucket_sizes(256) == [1, 2, 4, 8, 16, *range(32, 256, 32), 256]
+    assert mixed_bucket_sizes(100) == [1, 2, 4, 8, 16, 32, 64, 96, 100]
     assert mixed_bucket_sizes(20) == [1, 2, 4, 8, 16, 20]
-    assert set(bucket_sizes(256)) <= set(mixed_bucket_sizes(256))
+    assert mixed_bucket_sizes(16) == [1, 2, 4, 8, 16]
+    assert mixed_bucket_sizes(1) == [1]
+    assert all(padding_rows(mixed_bucket_sizes(256), d) < 32 for d in range(1, 257))
