@@ -15,9 +15,10 @@ from batchgen.layers.context import AttentionContext
 
 
 def bucket_sizes(max_batch: int, step: int = 16) -> list[int]:
-    """Captured batch sizes: 1, 2, 4, 8, then every `step` rows from 16, and max_batch."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_batch]
-    sizes += list(range(16, max_batch, step))
+    """Captured batch sizes: the powers of two below `step`, then its multiples, and max_batch
+    (step 16: 1, 2, 4, 8, 16, 32, 48, ...)."""
+    sizes = [1 << i for i in range(step.bit_length()) if 1 << i < min(step, max_batch)]
+    sizes += range(step, max_batch, step)
     return sorted(set(sizes + [max_batch]))
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from batchgen.engine.cuda_graph import (
+    bucket_sizes,
     capture_forward,
     graph_table_width,
     smallest_bucket,
@@ -48,11 +49,9 @@ RIDE_PADDING_ROWS = 1
 
 
 def mixed_bucket_sizes(max_batch: int) -> list[int]:
-    """The decode buckets the mixed graphs are captured for: 1, 2, 4, 8, 16, the multiples of
-    MIXED_BUCKET_STEP, and max_batch."""
-    sizes = [b for b in (1, 2, 4, 8, 16) if b < max_batch]
-    sizes += range(MIXED_BUCKET_STEP, max_batch, MIXED_BUCKET_STEP)
-    return sorted(set(sizes + [max_batch]))
+    """The decode buckets the mixed graphs are captured for (1, 2, 4, 8, 16, then multiples of
+    MIXED_BUCKET_STEP, and max_batch)."""
+    return bucket_sizes(max_batch, MIXED_BUCKET_STEP)
 
 
 def padding_rows(sizes: list[int], d: int) -> int:

@@ -192,9 +192,6 @@ class SwapGemm:
             else torch.empty(1, device=w.device, dtype=torch.float32)
         )
 
-    def smem_bytes(self) -> int:
-        return self.stages * 2 * self.bk * (self.bn + self.mt)
-
     def __call__(self, x: torch.Tensor, y: torch.Tensor, accumulate: bool) -> None:
         assert x.shape == (self.m, self.k) and x.stride(1) == 1
         x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [self.mt, self.bk],
@@ -220,15 +217,15 @@ def configs(n: int, k: int, m: int):
     for bn, bk, split in itertools.product((64, 128), (64,), (1, 2, 4)):
         if n % bn or k % (bk * split) or (n // bn) * split > 4 * 132:
             continue
-        per_stage = 2 * bk * (bn + mt)
-        for budget in (110 * 1024, 220 * 1024):
-            stages = min(8, budget // per_stage)
-            if stages >= 2 and (budget == 110 * 1024 or stages > min(8, 110 * 1024 // per_stage)):
+        per_stage = 2 * bk * (bn + mt)  # bytes of one ring slot
+        for stages in sorted({min(8, budget // per_stage) for budget in (110 << 10, 220 << 10)}):
+            if stages >= 2:
                 yield bn, bk, stages, split
 
 
 def check(rows) -> None:
-    """Each config against F.linear in fp32 on the four llama projections' shapes."""
+    """Three configs of each shape and row count (first, middle, last), with and without PDL,
+    against fp32 products on the four llama projections' shapes."""
     torch.manual_seed(0)
     dev, bf = "cuda", torch.bfloat16
     shapes = {"qkv": (6144, 4096, False), "o": (4096, 4096, False),
@@ -256,15 +253,19 @@ def check(rows) -> None:
     print(f"worst error against fp32, relative to max |y|: {worst:.2e} (bf16 step 2^-8)")
 
 
-def llama_groups():
-    """llama3.1-8b with random weights as the engine lays it out, its projections tuned."""
+def llama_groups(rows):
+    """llama3.1-8b's projection groups with random weights as the engine lays them out (the
+    weights are the model's), tuned for these row counts."""
     from batchgen.bench.random_model import build_random_model
     from batchgen.layers import gemm_tuning
 
     model, _ = build_random_model("llama3.1-8b", torch.bfloat16, torch.device("cuda"), seed=0)
     model.kn_weights_()
     groups = model.projection_groups()
-    return model, groups, gemm_tuning
+    report = gemm_tuning.tune_projections(groups, rows)
+    print(torch.cuda.get_device_name(), f"tuned {report.tuned} of {report.shapes} shapes",
+          flush=True)  # fmt: skip
+    return groups
 
 
 NAMES = ("qkv", "o", "gate_up", "down")
@@ -400,10 +401,7 @@ if __name__ == "__main__":
     if mode == "check":
         check(rows)
     else:
-        model, groups, gemm_tuning = llama_groups()
-        report = gemm_tuning.tune_projections(groups, rows)
-        print(torch.cuda.get_device_name(), f"tuned {report.tuned} of {report.shapes} shapes",
-              flush=True)  # fmt: skip
+        groups = llama_groups(rows)
         if mode == "floor":  # the same tiles streamed with and without the MMAs
             chain(groups, rows, BEST, {"Gluon": {}, "Gluon no MMA": {"no_mma": True}})
             read_floor(groups)
