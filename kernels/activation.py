@@ -50,8 +50,24 @@ def _check_args(op: str, x: torch.Tensor, rms_rows: torch.Tensor | None) -> None
         check_rms_rows(op, rms_rows, x)
 
 
+def check_out(op: str, x: torch.Tensor, out: torch.Tensor) -> None:
+    """out must be [T, I] of x's dtype and device with contiguous rows (x: [T, 2I])."""
+    T, I = x.shape[0], x.shape[1] // 2
+    if not (
+        out.shape == (T, I) and out.dtype == x.dtype and out.device == x.device
+        and out.stride(1) == 1
+    ):  # fmt: skip
+        raise ValueError(
+            f"{op}: out must be [{T}, {I}] {x.dtype} on {x.device} with contiguous rows, got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device} strides {out.stride()}"
+        )
+
+
 def silu_and_mul(
-    x: torch.Tensor, rms_rows: torch.Tensor | None = None, rms_eps: float = 1e-6
+    x: torch.Tensor,
+    rms_rows: torch.Tensor | None = None,
+    rms_eps: float = 1e-6,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """silu(gate) * up of a fused [gate | up] projection, Triton kernel.
 
@@ -62,9 +78,11 @@ def silu_and_mul(
             folded into its weight: row t of gate and up is first scaled by
             1 / RMS(rms_rows[t]) (fp32, rounded to the dtype). None: x is used as given.
         rms_eps: that RMSNorm's epsilon.
+        out: optional [T, I] of x.dtype, rows contiguous, to write into (a buffer at a fixed
+            address, e.g. inside an L2 access-policy window); allocated when None.
 
     Returns:
-        [T, I] in x.dtype.
+        [T, I] in x.dtype (out when given).
     """
     op = "silu_and_mul"
     _check_args(op, x, rms_rows)
@@ -73,7 +91,9 @@ def silu_and_mul(
     check_dtype(op, "x", x)
     check_launchable(op, x, *([rms_rows] if rms_rows is not None else []))
     T, I = x.shape[0], x.shape[1] // 2
-    out = torch.empty((T, I), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((T, I), dtype=x.dtype, device=x.device)
+    check_out(op, x, out)
     if T == 0:
         return out
     row_rms = rms_rows is not None

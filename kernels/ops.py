@@ -105,13 +105,21 @@ def rms_scale_rows(y: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def silu_and_mul(
-    x: torch.Tensor, rms_rows: torch.Tensor | None = None, rms_eps: float = 1e-6
+    x: torch.Tensor,
+    rms_rows: torch.Tensor | None = None,
+    rms_eps: float = 1e-6,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """silu(x[:, :I]) * x[:, I:] for x [T, 2I]; returns [T, I]. With rms_rows [T, H] each row
-    of x is first scaled by 1 / RMS of that hidden row (an RMSNorm folded into gate_up)."""
+    """silu(x[:, :I]) * x[:, I:] for x [T, 2I]; returns [T, I] (written into out when given).
+    With rms_rows [T, H] each row of x is first scaled by 1 / RMS of that hidden row (an RMSNorm
+    folded into gate_up)."""
     if not use_triton(x):
-        return _activation.silu_and_mul_ref(x, rms_rows, rms_eps)
-    return _activation.silu_and_mul(x, rms_rows, rms_eps)
+        y = _activation.silu_and_mul_ref(x, rms_rows, rms_eps)
+        if out is None:
+            return y
+        _activation.check_out("silu_and_mul", x, out)
+        return out.copy_(y)
+    return _activation.silu_and_mul(x, rms_rows, rms_eps, out=out)
 
 
 def store_kvcache(

@@ -42,15 +42,16 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+def capture_graph(fn: Callable[[], object], keep_graph: bool = False) -> torch.cuda.CUDAGraph:
     """fn captured as a CUDA graph. fn runs once first on a side stream, so kernels compile and
-    libraries set up their per-stream workspaces outside the capture."""
+    libraries set up their per-stream workspaces outside the capture. keep_graph: keep the
+    captured cudaGraph_t (`raw_cuda_graph()`) so its nodes can be edited before `instantiate()`."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=keep_graph)
     with torch.cuda.graph(graph):
         fn()
     return graph

@@ -50,7 +50,11 @@ class Nvml:
 
 def measure(nvml: Nvml, fn) -> tuple[float, float, float, float]:
     """(us a replay, mean W, median sampled SM MHz, mJ a replay) of fn's graph run back to back."""
-    graph = capture_graph(fn)
+    return measure_graph(nvml, capture_graph(fn))
+
+
+def measure_graph(nvml: Nvml, graph: torch.cuda.CUDAGraph) -> tuple[float, float, float, float]:
+    """measure() of a captured graph (its nodes edited, say)."""
     torch.cuda.synchronize()
     end = time.perf_counter() + WARM
     while time.perf_counter() < end:

@@ -66,3 +66,34 @@ def test_silu_and_mul_rejects_bad_rms_rows(device):
         silu_and_mul(x, rms_rows=torch.randn(2, 4, device=device))
     with pytest.raises(ValueError, match="rms_rows dtype"):
         silu_and_mul(x, rms_rows=torch.randn(3, 4, device=device).half())
+
+
+def test_silu_and_mul_writes_into_out(device, close):
+    # out: a view at a fixed address (a strided slice of a larger buffer) receives the result.
+    x = torch.randn(5, 48, device=device)
+    buf = torch.full((5, 40), 7.0, device=device)
+    out = buf[:, 8:32]
+    got = silu_and_mul(x, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    close(buf[:, 8:32], silu_and_mul_ref(x), torch.float32)
+    assert (buf[:, :8] == 7).all() and (buf[:, 32:] == 7).all()
+
+
+def test_silu_and_mul_rejects_bad_out(device):
+    x = torch.randn(3, 8, device=device)
+    with pytest.raises(ValueError, match=r"out must be \[3, 4\]"):
+        silu_and_mul(x, out=torch.empty(3, 5, device=device))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        silu_and_mul(x, out=torch.empty(4, 3, device=device).t())
+
+
+def test_ops_reference_path_writes_into_out():
+    # The CPU dispatch (torch reference) honours out and checks it like the kernel.
+    from batchgen.kernels import ops
+
+    x = torch.randn(4, 16)
+    out = torch.empty(4, 8)
+    assert ops.silu_and_mul(x, out=out) is out
+    torch.testing.assert_close(out, silu_and_mul_ref(x))
+    with pytest.raises(ValueError, match=r"out must be \[4, 8\]"):
+        ops.silu_and_mul(x, out=torch.empty(4, 8, dtype=torch.float64))
