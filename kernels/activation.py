@@ -93,7 +93,8 @@ def silu_and_mul(
     T, I = x.shape[0], x.shape[1] // 2
     if out is None:
         out = torch.empty((T, I), dtype=x.dtype, device=x.device)
-    check_out(op, x, out)
+    else:
+        check_out(op, x, out)
     if T == 0:
         return out
     row_rms = rms_rows is not None

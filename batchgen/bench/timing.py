@@ -45,7 +45,8 @@ def reset_peak_memory(device: torch.device) -> None:
 def capture_graph(fn: Callable[[], object], keep_graph: bool = False) -> torch.cuda.CUDAGraph:
     """fn captured as a CUDA graph. fn runs once first on a side stream, so kernels compile and
     libraries set up their per-stream workspaces outside the capture. keep_graph: keep the
-    captured cudaGraph_t (`raw_cuda_graph()`) so its nodes can be edited before `instantiate()`."""
+    captured cudaGraph_t (`raw_cuda_graph()`) so its nodes can be read or edited; call
+    `instantiate()` (or replay) after."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
