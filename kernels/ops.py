@@ -16,6 +16,7 @@ from . import rms_norm as _rms_norm
 from . import rope_store as _rope_store
 from . import rotary as _rotary
 from . import sampling as _sampling
+from . import top_k_top_p as _top_k_top_p
 from .launch import HAS_TRITON, KERNEL_DTYPES
 from .rotary import build_cos_sin_cache
 
@@ -30,6 +31,7 @@ __all__ = [
     "rope_and_store_kv",
     "rotary_embedding",
     "sample_gumbel",
+    "sample_top_k_top_p",
     "silu_and_mul",
     "store_kvcache",
     "token_logprobs",
@@ -203,6 +205,30 @@ def sample_gumbel(
     if temperatures is None or logits.dtype not in (torch.bfloat16, torch.float16):
         logits = logits.float()
     return _sampling.gumbel_argmax(logits.contiguous(), seeds, steps, temperatures)
+
+
+def sample_top_k_top_p(
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One token per row of logits [B, V], divided by temperatures [B] float32, by Gumbel-max
+    over the row's top-k [B] int32 / top-p [B] float32 / min-p [B] float32 set (None: that
+    filter off for every row), without sorting the vocabulary on GPU; [B] int64, the same
+    draw on CPU and GPU (up to float32 rounding of a nucleus boundary)."""
+    if not (HAS_TRITON and logits.is_cuda):
+        return _top_k_top_p.top_k_top_p_sample_ref(
+            logits, seeds, steps, temperatures, top_k, top_p, min_p
+        )
+    if logits.dtype not in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return _top_k_top_p.top_k_top_p_sample(
+        logits.contiguous(), seeds, steps, temperatures, top_k, top_p, min_p
+    )
 
 
 def penalise_logits(

@@ -34,7 +34,7 @@ class SamplingBatch:
 
 
 class Sampler:
-    """Turns fp32 logits [N, V] into one token per row, plus optional top-k log-probs.
+    """Turns logits [N, V] into one token per row, plus optional top-k log-probs.
 
     Penalised rows read their token histories from `self.penalties`, which keeps them on the
     device and appends each drawn token; `release` frees a finished sequence's.
@@ -64,12 +64,10 @@ class Sampler:
         """logits: [N, V] (modified in place) -> (tokens [N] int64 on logits' device, log-softmax
         [N, V] of the raw logits when any row asked for logprobs, else None). Enqueues work
         only: no host sync, so the next step can be scheduled while this one runs."""
-        device = logits.device
-        if self._plain(batch):
-            # Temperature alone: the kernel reads the model's logits and divides in place.
-            temps = self.stage([p.temperature for p in batch.params], torch.float32, device)
-            seeds, steps = self._keys(batch.seeds, batch.steps, device)
-            return ops.sample_gumbel(logits, seeds, steps, temps), None
+        if self._direct(batch):
+            # Temperature and filters only: the kernels read the model's logits (bf16 on GPU)
+            # and divide by each row's temperature in float32 as they read.
+            return self._sample(logits, batch.params, batch.seeds, batch.steps), None
         logits = logits.float()
         raw_logprobs = None
         if any(p.logprobs is not None for p in batch.params):
@@ -120,17 +118,12 @@ class Sampler:
         return tokens
 
     @staticmethod
-    def _plain(batch: SamplingBatch) -> bool:
-        """Every row samples with temperature only: no greedy row, filter, penalty,
-        suppressed id or logprobs (the common batch-generation case)."""
+    def _direct(batch: SamplingBatch) -> bool:
+        """Every row samples with a temperature and at most top-k/top-p/min-p: no greedy row,
+        penalty, suppressed id or logprobs (the common batch-generation case), so the draw
+        can read the model's logits as they are."""
         return not any(batch.suppress_ids) and all(
-            p.temperature > 0
-            and p.top_k <= 0
-            and p.top_p >= 1.0
-            and p.min_p <= 0
-            and p.logprobs is None
-            and not p.has_penalties
-            for p in batch.params
+            p.temperature > 0 and p.logprobs is None and not p.has_penalties for p in batch.params
         )
 
     def _sample(
@@ -140,28 +133,29 @@ class Sampler:
         seeds: list[int],
         steps: list[int],
     ) -> torch.Tensor:
-        """logits: [M, V] -> [M] tokens, by Gumbel-max over the filtered, tempered logits."""
+        """logits: [M, V] (any float dtype, untempered) -> [M] tokens, by Gumbel-max over each
+        row's top-k/top-p/min-p set of its logits / temperature (divided in the kernel)."""
         device = logits.device
         temps = self.stage([p.temperature for p in params], torch.float32, device)
-        top_k = [p.top_k for p in params]
+        seed_t, step_t = self._keys(seeds, steps, device)
+        filters = self._filters(params, logits.shape[1], device)
+        if filters is None:
+            return ops.sample_gumbel(logits, seed_t, step_t, temps)
+        return ops.sample_top_k_top_p(logits, seed_t, step_t, temps, *filters)
+
+    def _filters(self, params: list[SamplingParams], vocab: int, device):
+        """(top_k [M] int32, top_p [M] float32, min_p [M] float32) on the device, each None when
+        no row sets it; None when no row sets any. A k past the vocabulary is the vocabulary
+        (off)."""
+        top_k = [min(p.top_k, vocab) for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
-        filtered = any(k > 0 for k in top_k) or any(x < 1.0 for x in top_p)
-        if not (filtered or any(x > 0 for x in min_p)):
-            # No filter (e.g. penalised rows): the kernel divides as it reads, one [M, V]
-            # pass fewer, and draws what the division below would.
-            seed_t, step_t = self._keys(seeds, steps, device)
-            return ops.sample_gumbel(logits, seed_t, step_t, temps)
-        logits = logits.div_(temps.unsqueeze(1))  # [M, V]; in place: the caller's copy is ours
-        if filtered:
-            logits = _top_k_top_p(logits, top_k, top_p, self.stage)
-        if any(x > 0 for x in min_p):
-            probs = torch.softmax(logits, dim=-1)
-            min_p_t = self.stage(min_p, torch.float32, device).unsqueeze(1)
-            threshold = min_p_t * probs.amax(dim=-1, keepdim=True)
-            logits = logits.masked_fill(probs < threshold, float("-inf"))
-        seed_t, step_t = self._keys(seeds, steps, device)
-        return ops.sample_gumbel(logits.contiguous(), seed_t, step_t)
+        filters = (
+            self.stage(top_k, torch.int32, device) if any(k > 0 for k in top_k) else None,
+            self.stage(top_p, torch.float32, device) if any(x < 1.0 for x in top_p) else None,
+            self.stage(min_p, torch.float32, device) if any(x > 0 for x in min_p) else None,
+        )
+        return None if filters == (None, None, None) else filters
 
     def _keys(
         self, seeds: list[int], steps: list[int], device
@@ -171,24 +165,6 @@ class Sampler:
         pad = [0] * (len(seeds) % 2)
         keys = self.stage([seeds + pad, steps + pad], torch.int64, device)  # [2, M (+1)]
         return keys[0, : len(seeds)], keys[1, : len(seeds)]
-
-
-def _top_k_top_p(
-    logits: torch.Tensor, top_k: list[int], top_p: list[float], stage=to_device
-) -> torch.Tensor:
-    """Mask everything outside each row's top-k and nucleus (top-p) set with -inf."""
-    vocab = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [M, V]
-    ks = stage([min(k, vocab) if k > 0 else vocab for k in top_k], torch.int64, logits.device)
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)  # [1, V]
-    drop = ranks >= ks.unsqueeze(1)
-    ps = stage(top_p, logits.dtype, logits.device).unsqueeze(1)
-    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    # Keep a token while the mass before it is < p (so the top token always stays).
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= ps
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
 def gather_logprobs(

@@ -6,9 +6,10 @@ import math
 
 import torch
 from batchgen.kernels.sampling import gumbel_argmax_ref
+from batchgen.kernels.top_k_top_p import top_k_top_p_mask_ref, top_k_top_p_sample_ref
 
 from batchgen.engine.penalties import History, apply_penalties_ref
-from batchgen.engine.sampler import Sampler, SamplingBatch, _top_k_top_p
+from batchgen.engine.sampler import Sampler, SamplingBatch
 from batchgen.sampling_params import SamplingParams
 
 
@@ -25,12 +26,30 @@ def batch(params, seeds=None, steps=None, prompt=None, output=None, suppress=Non
     )
 
 
-def test_top_k_and_top_p_masks():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]))
-    out = _top_k_top_p(logits.clone(), [2, 0], [1.0, 0.7])
-    assert torch.isfinite(out[0]).tolist() == [True, True, False, False]
-    # Nucleus 0.7: 0.5 (< 0.7 before it: keep), 0.3 (0.5 before it: keep), 0.15 (0.8: drop).
-    assert torch.isfinite(out[1]).tolist() == [True, True, False, False]
+def test_filtered_rows_draw_from_their_kept_set():
+    # top-k / top-p / min-p rows straight from the model's logits (the direct path), mixed with
+    # unfiltered rows: each draw is the reference's, inside its row's kept set.
+    logits = 2 * torch.randn(24, 300, generator=torch.Generator().manual_seed(5))
+    params = [
+        SamplingParams(temperature=0.5 + 0.1 * (i % 5), top_k=(0, 5, 0, 40)[i % 4],
+                       top_p=(1.0, 0.9, 0.3)[i % 3], min_p=(0.0, 0.2)[i % 2])
+        for i in range(24)
+    ]  # fmt: skip
+    seeds, steps = list(range(24)), [i % 3 for i in range(24)]
+    b = batch(params, seeds=seeds, steps=steps)
+    assert Sampler._direct(b)
+    tokens, _ = Sampler()(logits.clone(), b)
+    temps = torch.tensor([p.temperature for p in params])
+    kw = {
+        "top_k": torch.tensor([p.top_k for p in params], dtype=torch.int32),
+        "top_p": torch.tensor([p.top_p for p in params]),
+        "min_p": torch.tensor([p.min_p for p in params]),
+    }
+    want = top_k_top_p_sample_ref(logits, torch.tensor(seeds), torch.tensor(steps), temps, **kw)
+    assert tokens == want.tolist()
+    kept = top_k_top_p_mask_ref(logits / temps[:, None], **kw)
+    assert all(kept[r, t] for r, t in enumerate(tokens))
+    assert kept.sum(dim=1).min() < 300  # the filters removed something
 
 
 def test_sampling_frequencies_follow_probabilities():
@@ -90,15 +109,18 @@ def test_temperature_only_batches_take_the_fused_path_with_the_same_draws(monkey
     params = [SamplingParams(temperature=0.2 + 0.05 * i) for i in range(64)]
     seeds, steps = list(range(64)), [i % 7 for i in range(64)]
     b = batch(params, seeds=seeds, steps=steps)
-    assert Sampler._plain(b)
+    assert Sampler._direct(b)
     want = _divided_draws(logits, params, seeds, steps)
     assert want != _divided_draws(logits, [SamplingParams()] * 64, seeds, steps)
     fused, _ = Sampler().sample(logits.clone(), b)
     assert fused.tolist() == want
-    monkeypatch.setattr(Sampler, "_plain", staticmethod(lambda batch: False))
-    general, _ = Sampler().sample(logits.clone(), b)  # _sample: no filter, divides in the draw
+    assert Sampler._direct(batch([SamplingParams(temperature=0.5, top_k=5, top_p=0.9)]))
+    for other in ({"temperature": 0.0}, {"logprobs": 2}, {"repetition_penalty": 1.2}):
+        assert not Sampler._direct(batch([SamplingParams(**{"temperature": 0.5, **other})]))
+    assert not Sampler._direct(batch([SamplingParams(temperature=0.5)], suppress=[[3]]))
+    monkeypatch.setattr(Sampler, "_direct", staticmethod(lambda batch: False))
+    general, _ = Sampler().sample(logits.clone(), b)  # float32 copy first, same draw
     assert general.tolist() == want
-    assert not Sampler._plain(batch([SamplingParams(temperature=0.5, top_k=5)]))
 
 
 def test_penalised_rows_draw_as_penalties_then_division():
