@@ -46,6 +46,12 @@ def test_tiny_greedy_gpu_equals_cpu(tiny_model_dir, enforce_eager, fold_norms):
     cpu_s = LLM(path, device="cpu", **common).generate(batch[:4], sampled, use_tqdm=False)
     gpu_s = gpu_llm.generate(batch[:4], sampled, use_tqdm=False)
     assert [o.token_ids for o in gpu_s] == [o.token_ids for o in cpu_s]
+    # So do filtered draws: the sort-free kernel on the GPU, its sorting reference on the CPU.
+    for filters in ({"top_p": 0.9}, {"top_k": 20, "top_p": 0.8, "min_p": 0.02}):
+        filtered = SamplingParams(max_tokens=16, temperature=0.8, seed=5, **filters)
+        cpu_f = LLM(path, device="cpu", **common).generate(batch[:4], filtered, use_tqdm=False)
+        gpu_f = gpu_llm.generate(batch[:4], filtered, use_tqdm=False)
+        assert [o.token_ids for o in gpu_f] == [o.token_ids for o in cpu_f]
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
