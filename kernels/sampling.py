@@ -110,6 +110,13 @@ def _uniform(idx, k1, k2):
 
 
 @triton.jit
+def _gumbel_scores(x, idx, k1, k2):
+    # The Gumbel-max score of tempered logits x at vocabulary ids idx: x - log(-log(u)), the one
+    # formula every sampling kernel draws with (gumbel_argmax_ref's).
+    return x - tl.log(-tl.log(_uniform(idx, k1, k2)))
+
+
+@triton.jit
 def _uniform_noise_kernel(seeds_ptr, steps_ptr, out_ptr, V, BLOCK: tl.constexpr):
     # Grid (B, cdiv(V, BLOCK)).
     row = tl.program_id(0).to(tl.int64)
@@ -145,8 +152,7 @@ def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temps_ptr, part_scor
         x = x.to(tl.float32)
         if HAS_TEMPS:
             x = x / temp
-        score = x - tl.log(-tl.log(_uniform(idx, k1, k2)))
-        score = tl.where(mask, score, float("-inf"))
+        score = tl.where(mask, _gumbel_scores(x, idx, k1, k2), float("-inf"))
         take = score > best
         best = tl.where(take, score, best)
         best_idx = tl.where(take, idx, best_idx)

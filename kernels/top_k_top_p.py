@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from .launch import check_launchable, interpreting, tl, triton
-from .sampling import _row_keys, _uniform, uniform_noise_ref
+from .sampling import _gumbel_scores, _row_keys, gumbel_argmax_ref
 
 # Elements a program reads per loop step, and its warps. One program per row: with few rows a
 # row's latency is the step's, so the program should keep many loads in flight (8192 x 16 warps
@@ -73,7 +73,8 @@ def top_k_top_p_mask_ref(
     keys = sortable_keys_ref(z)
     m = z.amax(dim=1, keepdim=True)  # [B, 1]
     keep = torch.ones_like(z, dtype=torch.bool)
-    sorted_keys, order = keys.sort(dim=1, descending=True)
+    if top_k is not None or top_p is not None:  # min-p alone needs no order
+        sorted_keys, order = keys.sort(dim=1, descending=True)
     if top_k is not None:
         k = top_k.to(torch.int64)
         kth = sorted_keys.gather(1, (k.clamp(1, vocab) - 1)[:, None])  # [B, 1]
@@ -109,9 +110,7 @@ def top_k_top_p_sample_ref(
     top_k_top_p_mask_ref's set. [B] int64."""
     z = logits.float() / temperatures.float()[:, None]  # [B, V]
     keep = top_k_top_p_mask_ref(z, top_k, top_p, min_p)
-    u = uniform_noise_ref(seeds, steps, z.shape[1]).to(z.device)
-    score = torch.where(keep, z - torch.log(-torch.log(u)), float("-inf"))
-    return torch.argmax(score, dim=-1)
+    return gumbel_argmax_ref(z.masked_fill(~keep, float("-inf")), seeds, steps)
 
 
 @triton.jit
@@ -130,13 +129,16 @@ def _keys(z):
 
 
 @triton.jit
-def _radix_digit(hist, need, BITS: tl.constexpr):
-    # The digit (0 .. 2^BITS - 1) whose count of matching keys from the top reaches `need`, and
-    # what is still needed below it: hist [2^BITS] counts the matching keys by digit.
+def _radix_level(hist, need, prefix, level, BITS: tl.constexpr):
+    # One digit of a radix select: hist [2^BITS] counts the keys matching `prefix` (the digits
+    # found so far, unsigned order) by their digit at `level` from the top. Returns what is
+    # still needed below the digit whose count from the top reaches `need`, and the prefix with
+    # that digit set.
     bins = tl.arange(0, 1 << BITS)
     at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
     found = tl.max(tl.where(at_or_above >= need, bins, -1), 0)
-    return found, need - tl.sum(tl.where(bins > found, hist, 0), 0)
+    need = need - tl.sum(tl.where(bins > found, hist, 0), 0)
+    return need, prefix | (found.to(tl.uint32) << (32 - BITS * (level + 1)))
 
 
 @triton.jit
@@ -151,7 +153,13 @@ def _digit_hist(u, match, level, BITS: tl.constexpr):
 
 @triton.jit
 def _unsigned(keys):
+    # int32 keys -> uint32 in the same order (and _signed back).
     return keys.to(tl.uint32, bitcast=True) ^ 0x80000000
+
+
+@triton.jit
+def _signed(u):
+    return (u ^ 0x80000000).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -170,9 +178,8 @@ def _kth_largest_key(base, V, temp, k, BLOCK: tl.constexpr, BITS: tl.constexpr):
             mask = idx < V
             u = _unsigned(_keys(_tempered(base, idx, mask, temp)))
             hist += _digit_hist(u, mask & ((u & upper) == prefix), level, BITS)
-        found, need = _radix_digit(hist, need, BITS)
-        prefix = prefix | (found.to(tl.uint32) << (32 - BITS * (level + 1)))
-    return (prefix ^ 0x80000000).to(tl.int32, bitcast=True)
+        need, prefix = _radix_level(hist, need, prefix, level, BITS)
+    return _signed(prefix)
 
 
 @triton.jit
@@ -183,9 +190,9 @@ def _kth_largest_lane_key(lane_keys, k, BITS: tl.constexpr):
     need = k
     for level in tl.static_range(32 // BITS):
         upper = (0xFFFFFFFF << (32 - BITS * level)) & 0xFFFFFFFF
-        found, need = _radix_digit(_digit_hist(u, (u & upper) == prefix, level, BITS), need, BITS)
-        prefix = prefix | (found.to(tl.uint32) << (32 - BITS * (level + 1)))
-    return (prefix ^ 0x80000000).to(tl.int32, bitcast=True)
+        hist = _digit_hist(u, (u & upper) == prefix, level, BITS)
+        need, prefix = _radix_level(hist, need, prefix, level, BITS)
+    return _signed(prefix)
 
 
 @triton.jit
@@ -266,7 +273,7 @@ def _draw_above(base, V, temp, k1, k2, kth, m, lmp, floor, TOP_K: tl.constexpr,
             mass = mass * tl.exp(hi - ref) + tl.exp(zk - ref)
             hi = new_hi
         ok = _allowed(z, mask, kth, m, lmp, TOP_K, MIN_P) & (z > floor)
-        score = tl.where(ok, z - tl.log(-tl.log(_uniform(idx, k1, k2))), float("-inf"))
+        score = tl.where(ok, _gumbel_scores(z, idx, k1, k2), float("-inf"))
         take = score > best
         best = tl.where(take, score, best)
         best_z = tl.where(take, z, best_z)
