@@ -186,17 +186,19 @@ def _num_chunks(rows: int, vocab: int, device: torch.device) -> int:
     return max(1, min(-(-4 * num_sms(device) // max(rows, 1)), _max_chunks(vocab)))
 
 
+def check_row_tensor(op: str, name: str, t: torch.Tensor | None, rows: int, dtype) -> None:
+    """A per-row argument of a sampling kernel: [rows] of dtype, contiguous (None passes)."""
+    if t is None:
+        return
+    if not (t.shape == (rows,) and t.dtype == dtype and t.is_contiguous()):
+        raise ValueError(
+            f"{op}: {name} must be [{rows}] {dtype} and contiguous, got {tuple(t.shape)} {t.dtype}"
+        )
+
+
 def _check_rows(op: str, seeds: torch.Tensor, steps: torch.Tensor, rows: int) -> None:
-    if not (seeds.shape == (rows,) and seeds.dtype == torch.int64):
-        raise ValueError(
-            f"{op}: seeds must be [{rows}] int64, got {tuple(seeds.shape)} {seeds.dtype}"
-        )
-    if not (steps.shape == (rows,) and steps.dtype == torch.int64):
-        raise ValueError(
-            f"{op}: steps must be [{rows}] int64, got {tuple(steps.shape)} {steps.dtype}"
-        )
-    if not (seeds.is_contiguous() and steps.is_contiguous()):
-        raise ValueError(f"{op}: seeds and steps must be contiguous")
+    check_row_tensor(op, "seeds", seeds, rows, torch.int64)
+    check_row_tensor(op, "steps", steps, rows, torch.int64)
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -239,15 +241,7 @@ def gumbel_argmax(
     if logits.stride(1) != 1:
         raise ValueError(f"{op}: logits rows must be contiguous, got strides {logits.stride()}")
     _check_rows(op, seeds, steps, logits.shape[0])
-    if temperatures is not None and not (
-        temperatures.shape == (logits.shape[0],)
-        and temperatures.dtype == torch.float32
-        and temperatures.is_contiguous()
-    ):
-        raise ValueError(
-            f"{op}: temperatures must be [{logits.shape[0]}] float32, got "
-            f"{tuple(temperatures.shape)} {temperatures.dtype}"
-        )
+    check_row_tensor(op, "temperatures", temperatures, logits.shape[0], torch.float32)
     extra = () if temperatures is None else (temperatures,)
     check_launchable(op, logits, seeds, steps, *extra)
     rows, vocab = logits.shape

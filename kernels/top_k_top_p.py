@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from .launch import check_launchable, interpreting, tl, triton
-from .sampling import _gumbel_scores, _row_keys, gumbel_argmax_ref
+from .sampling import _check_rows, _gumbel_scores, _row_keys, check_row_tensor, gumbel_argmax_ref
 
 # Elements a program reads per loop step, and its warps. One program per row: with few rows a
 # row's latency is the step's, so the program should keep many loads in flight (8192 x 16 warps
@@ -339,15 +339,6 @@ def _top_k_top_p_kernel(logits_ptr, seeds_ptr, steps_ptr, temps_ptr, top_k_ptr, 
     tl.store(out_ptr + row, pick.to(tl.int64))
 
 
-def _check_row_tensor(op: str, name: str, t: torch.Tensor | None, rows: int, dtype) -> None:
-    if t is None:
-        return
-    if not (t.shape == (rows,) and t.dtype == dtype and t.is_contiguous()):
-        raise ValueError(
-            f"{op}: {name} must be [{rows}] {dtype} and contiguous, got {tuple(t.shape)} {t.dtype}"
-        )
-
-
 def top_k_top_p_sample(
     logits: torch.Tensor,
     seeds: torch.Tensor,
@@ -380,12 +371,11 @@ def top_k_top_p_sample(
     if logits.stride(1) != 1:
         raise ValueError(f"{op}: logits rows must be contiguous, got strides {logits.stride()}")
     rows, vocab = logits.shape
-    _check_row_tensor(op, "seeds", seeds, rows, torch.int64)
-    _check_row_tensor(op, "steps", steps, rows, torch.int64)
-    _check_row_tensor(op, "temperatures", temperatures, rows, torch.float32)
-    _check_row_tensor(op, "top_k", top_k, rows, torch.int32)
-    _check_row_tensor(op, "top_p", top_p, rows, torch.float32)
-    _check_row_tensor(op, "min_p", min_p, rows, torch.float32)
+    _check_rows(op, seeds, steps, rows)
+    check_row_tensor(op, "temperatures", temperatures, rows, torch.float32)
+    check_row_tensor(op, "top_k", top_k, rows, torch.int32)
+    check_row_tensor(op, "top_p", top_p, rows, torch.float32)
+    check_row_tensor(op, "min_p", min_p, rows, torch.float32)
     given = [t for t in (top_k, top_p, min_p) if t is not None]
     check_launchable(op, logits, seeds, steps, temperatures, *given)
     out = torch.empty((rows,), dtype=torch.int64, device=logits.device)
