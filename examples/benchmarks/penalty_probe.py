@@ -4,8 +4,8 @@ requests: what a job that sets them pays.
 
 Usage (CUDA machine, repo root): python examples/benchmarks/penalty_probe.py [filters] [PRESET]
 [N] (PRESET default qwen3-0.6b; N requests, default 256).
-`penalty_probe.py step [filters] [VOCAB]`: one sampling step alone (Sampler.sample, 256 rows
-of 1,100-id histories, bf16 logits of VOCAB ids, default 151,936) per variant: host us to
+`penalty_probe.py step [filters] [VOCAB]`: one sampling step alone (Sampler.sample, 256 and 16
+rows of 1,100-id histories, bf16 logits of VOCAB ids, default 151,936) per variant: host us to
 enqueue it and us a step back to back (the larger of host and GPU).
 """
 
@@ -38,12 +38,12 @@ FILTERS = {
 }
 
 
-def timed_run(engine, w: Workload, prefix: str, penalties: dict) -> float:
+def timed_run(engine, w: Workload, prefix: str, sampling: dict) -> float:
     """Seconds to drain the queued requests (submission not timed), after two short requests
     with the same settings (so a kernel they need is compiled before the timing)."""
-    submit(engine, Workload(w.name, w.prompts[:2], [2, 2]), f"warm-{prefix}", **penalties)
+    submit(engine, Workload(w.name, w.prompts[:2], [2, 2]), f"warm-{prefix}", **sampling)
     drain(engine)
-    submit(engine, w, prefix, **penalties)
+    submit(engine, w, prefix, **sampling)
     seconds, errors = timed(lambda: drain(engine), engine.runner.device)
     assert errors == 0, f"{errors} error outputs"
     return seconds
