@@ -155,7 +155,7 @@ class Sampler:
             self.stage(top_p, torch.float32, device) if any(x < 1.0 for x in top_p) else None,
             self.stage(min_p, torch.float32, device) if any(x > 0 for x in min_p) else None,
         )
-        return None if filters == (None, None, None) else filters
+        return None if all(f is None for f in filters) else filters
 
     def _keys(
         self, seeds: list[int], steps: list[int], device
