@@ -9,8 +9,8 @@ from tqdm import tqdm
 from batchgen.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.outputs import RequestOutput, ScoreOutput
+from batchgen.plan.scoring import tokenize_for_scoring
 from batchgen.sampling_params import SamplingParams
-from batchgen.scoring import tokenize_for_scoring
 
 
 class LLM:

@@ -15,9 +15,9 @@ from fake_engine import FakeEngine, FakeTokenizer  # noqa: E402
 from workspace import make_job, read_output, rows, write_jsonl  # noqa: E402
 
 from batchgen import cli  # noqa: E402
+from batchgen.engine.request_checks import ModelLimits  # noqa: E402
 from batchgen.job import JobError, load_job  # noqa: E402
 from batchgen.pipeline import engine_factory  # noqa: E402
-from batchgen.request_checks import ModelLimits  # noqa: E402
 
 REAL_MODEL_LIMITS = engine_factory.model_limits  # the fixture below swaps these
 REAL_BUILD_ENGINE = engine_factory.build_engine

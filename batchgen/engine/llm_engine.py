@@ -14,6 +14,7 @@ from batchgen.engine.gc_pause import HeapFreeze
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.penalties import History
 from batchgen.engine.request import Request, ScoreAccumulator, sample_seed
+from batchgen.engine.request_checks import ModelLimits, check_params, check_token_ids
 from batchgen.engine.sampler import SamplingBatch
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.scheduler_output import SchedulerOutput
@@ -23,7 +24,6 @@ from batchgen.engine.step_handle import StepHandle
 from batchgen.models.config import ModelConfig
 from batchgen.models.tokenizer import Tokenizer
 from batchgen.outputs import RequestOutput
-from batchgen.request_checks import ModelLimits, check_params, check_token_ids
 from batchgen.sampling_params import SamplingParams, SamplingParamsError
 
 _SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)

@@ -12,6 +12,7 @@ from batchgen.engine.cuda_graph import DecodeGraphs, bucket_sizes
 from batchgen.engine.host_to_device import PinnedStager
 from batchgen.engine.mixed_graph import MixedGraphs, mixed_bucket_sizes
 from batchgen.engine.prompt_allowance import auto_chunk_tokens
+from batchgen.engine.request_checks import check_cache_size
 from batchgen.engine.sampler import Sampler, SamplingBatch
 from batchgen.engine.scheduler_output import ScheduledSequence
 from batchgen.engine.step_handle import StepHandle
@@ -21,7 +22,6 @@ from batchgen.layers import gemm_tuning, linear
 from batchgen.layers.context import AttentionContext
 from batchgen.models.config import ModelConfig
 from batchgen.models.loader import load_model
-from batchgen.request_checks import check_cache_size
 
 # Rows of logits computed at once for scoring, bounding the [rows, vocab] buffer.
 _SCORE_CHUNK = 1024

@@ -8,9 +8,9 @@ from typing import NamedTuple
 
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.prompt_allowance import PromptAllowance, admission_order, remaining_steps
+from batchgen.engine.request_checks import check_length, describe_length, length_error
 from batchgen.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from batchgen.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
-from batchgen.request_checks import check_length, describe_length, length_error
 
 
 class AddError(NamedTuple):

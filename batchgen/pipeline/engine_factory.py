@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from batchgen.engine.request_checks import ModelLimits
 from batchgen.job import JobError, JobSpec
 from batchgen.outputs import RequestOutput
-from batchgen.request_checks import ModelLimits
 from batchgen.sampling_params import SamplingParams
 
 

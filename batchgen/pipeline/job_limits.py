@@ -7,8 +7,8 @@ refuse at start-up, stops the job before any model loads, naming the job file an
 
 from __future__ import annotations
 
+from batchgen.engine.request_checks import ModelLimits, check_cache_size, check_params
 from batchgen.job import JobError, JobSpec
-from batchgen.request_checks import ModelLimits, check_cache_size, check_params
 from batchgen.sampling_params import SamplingParams
 
 

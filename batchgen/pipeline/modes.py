@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchgen.engine.request_checks import ModelLimits
 from batchgen.io.readers import Reader, check_columns
 from batchgen.io.rows import ResultRow
 from batchgen.io.writer import ShardLayout
 from batchgen.job import JobSpec, require_prompt
+from batchgen.job.placeholders import placeholders
 from batchgen.outputs import RequestOutput
-from batchgen.planner import Planner, Request, to_result
-from batchgen.prompts import PromptRenderer, placeholders
-from batchgen.request_checks import ModelLimits
+from batchgen.plan.planner import Planner, Request, to_result
+from batchgen.plan.prompts import PromptRenderer
 
 
 class GenerateMode:

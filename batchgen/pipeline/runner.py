@@ -24,8 +24,8 @@ from batchgen.pipeline.progress import Progress
 from batchgen.pipeline.sharding import ShardSelector
 from batchgen.pipeline.signals import EX_TEMPFAIL, GracefulStop, StopFlag
 from batchgen.pipeline.stats import RunStats, job_totals, summary_lines, write_stats
-from batchgen.planner import Request
-from batchgen.prompts import PromptError, PromptRenderer
+from batchgen.plan.planner import Request
+from batchgen.plan.prompts import PromptError, PromptRenderer
 
 
 @dataclass

@@ -9,20 +9,21 @@ from typing import Any
 
 import polars as pl
 
+from batchgen.engine.request_checks import ModelLimits
 from batchgen.io.readers import Reader, _sample_objects, check_columns
 from batchgen.io.score_reader import GroupReader
 from batchgen.io.score_rows import ScoreRow
 from batchgen.io.writer import ShardLayout
 from batchgen.job import JobError, JobSpec
-from batchgen.job_score import ScoreSpec
+from batchgen.job.placeholders import placeholders
+from batchgen.job.spec import ScoreSpec
 from batchgen.outputs import RequestOutput
-from batchgen.prompts import PromptRenderer, placeholders
-from batchgen.request_checks import ModelLimits
-from batchgen.score_planner import ScorePlanner, ScoreRequest, to_score_rows
+from batchgen.plan.prompts import PromptRenderer
+from batchgen.plan.score_planner import ScorePlanner, ScoreRequest, to_score_rows
 
 
 class ScoreMode:
-    """Units are input rows (list layout) or groups of rows (group layout); see job_score.py."""
+    """Units are input rows (list layout) or groups of rows (group layout); see job/score.py."""
 
     def __init__(self, job: JobSpec):
         assert job.score is not None

@@ -7,13 +7,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from batchgen.engine.request_checks import ModelLimits
 from batchgen.io.readers import file_format, resolve_inputs
 from batchgen.job import JobError, JobSpec
 from batchgen.pipeline import engine_factory as factory
 from batchgen.pipeline.job_limits import check_job_limits
 from batchgen.pipeline.modes import mode_for
-from batchgen.prompts import PromptError, PromptRenderer
-from batchgen.request_checks import ModelLimits
+from batchgen.plan.prompts import PromptError, PromptRenderer
 
 
 @dataclass

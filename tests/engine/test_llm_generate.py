@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.request_checks import ModelLimits, check_request
+from batchgen.engine.request_checks import ModelLimits, check_request
 
 transformers = pytest.importorskip("transformers")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 import time
 
+from batchgen.engine.request_checks import ModelLimits
 from batchgen.engine.stats import EngineStats
 from batchgen.outputs import CompletionOutput, RequestOutput, ScoreOutput
-from batchgen.request_checks import ModelLimits
 from batchgen.sampling_params import SamplingParams
 
 CHAT_TEMPLATE = (

@@ -21,14 +21,14 @@ from workspace import (
     write_row_groups,
 )
 
+from batchgen.engine.request_checks import ModelLimits
 from batchgen.io import manifest
 from batchgen.job import JobError
 from batchgen.pipeline.runner import Runner
 from batchgen.pipeline.sharding import ShardSelector
 from batchgen.pipeline.signals import StopFlag
 from batchgen.pipeline.validate import validate
-from batchgen.planner import row_seed
-from batchgen.request_checks import ModelLimits
+from batchgen.plan.planner import row_seed
 
 
 @pytest.fixture(autouse=True)

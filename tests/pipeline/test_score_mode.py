@@ -10,11 +10,11 @@ import pytest
 from fake_engine import FakeEngine, FakeTokenizer, fake_score
 from workspace import load, make_job, read_output, write_jsonl, write_parquet
 
+from batchgen.engine.request_checks import ModelLimits
 from batchgen.job import JobError
 from batchgen.pipeline.runner import Runner
 from batchgen.pipeline.validate import validate
-from batchgen.request_checks import ModelLimits
-from batchgen.scoring import tokenize_for_scoring
+from batchgen.plan.scoring import tokenize_for_scoring
 
 TEMPLATE = "Q: {question}\nA:"
 WORDS = ["yes", "no", "maybe", "blue sky", "forty two", "a cat", "the end"]

@@ -11,12 +11,12 @@ import hashlib
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
+from batchgen.engine.request_checks import ModelLimits, check_request
 from batchgen.io.json_line import loads
 from batchgen.io.readers import OPENAI_KEY
 from batchgen.io.rows import InputRow, ResultRow
 from batchgen.outputs import RequestOutput
-from batchgen.prompts import PromptError, PromptRenderer, RenderedPrompt
-from batchgen.request_checks import ModelLimits, check_request
+from batchgen.plan.prompts import PromptError, PromptRenderer, RenderedPrompt
 from batchgen.sampling_params import SamplingParams, SamplingParamsError
 
 PREFIX_TOKENS = 32  # rows whose first 32 prompt tokens agree form one prefix group

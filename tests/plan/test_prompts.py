@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from batchgen.job import ChatMessage, PromptSpec
-from batchgen.prompts import PromptError, PromptRenderer, placeholders
+from batchgen.job.placeholders import placeholders
+from batchgen.plan.prompts import PromptError, PromptRenderer
 
 CHAT = (
     "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
@@ -98,7 +99,7 @@ def test_immutable_sandbox_blocks_mutation():
     ],
 )
 def test_chat_template_runs_under_limits(monkeypatch, template, why):
-    from batchgen import prompts
+    from batchgen.plan import prompts
 
     monkeypatch.setattr(prompts, "RENDER_TIMEOUT_S", 0.3)
     monkeypatch.setattr(prompts, "MAX_RENDER_CHARS", 1_000_000)

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from batchgen.job import JobError, _get, _section
-
-if TYPE_CHECKING:
-    from batchgen.job import InputSpec, OutputSpec, PromptSpec
+from batchgen.job.keys import get, section
+from batchgen.job.spec import InputSpec, JobError, OutputSpec, PromptSpec, ScoreSpec
 
 SCORE_KEYS = [
     "candidates_column",
@@ -19,28 +14,6 @@ SCORE_KEYS = [
 ]
 
 
-@dataclass(frozen=True)
-class ScoreSpec:
-    """Score mode settings.
-
-    Two input layouts:
-      - list: `candidates_column` holds a list of candidate strings per row.
-      - group: one row per candidate; consecutive rows with the same `group_column` value form
-        one group (the output `id`), the prompt comes from the group's first row and the
-        candidate from each row's `candidate_column`.
-    """
-
-    candidates_column: str | None = None
-    group_column: str | None = None
-    candidate_column: str | None = None
-    separator: str = ""  # joined as prompt + separator + candidate
-    return_token_logprobs: bool = False
-
-    @property
-    def grouped(self) -> bool:
-        return self.group_column is not None
-
-
 def score_spec(
     raw: dict, mode: str, inp: InputSpec, prompt: PromptSpec, output: OutputSpec
 ) -> ScoreSpec | None:
@@ -49,10 +22,10 @@ def score_spec(
         if raw.get("score") is not None:
             raise JobError(f"score: only used with mode: score (this job has mode: {mode})")
         return None
-    sec = _section(raw, "score", SCORE_KEYS, required=False)
+    sec = section(raw, "score", SCORE_KEYS, required=False)
     names = {}
     for key in ("candidates_column", "group_column", "candidate_column"):
-        value = _get(sec, "score", key, "str", None)
+        value = get(sec, "score", key, "str", None)
         if value is not None and not value:
             raise JobError(f"score.{key}: must not be empty")
         names[key] = value
@@ -73,8 +46,8 @@ def score_spec(
                 raise JobError(f"score.{key}: missing required key (needed with score.{other})")
         if names["group_column"] == names["candidate_column"]:
             raise JobError("score.candidate_column: must differ from score.group_column")
-    separator = _get(sec, "score", "separator", "str", "")
-    token_logprobs = _get(sec, "score", "return_token_logprobs", "bool", False)
+    separator = get(sec, "score", "separator", "str", "")
+    token_logprobs = get(sec, "score", "return_token_logprobs", "bool", False)
     sampling = raw.get("sampling")
     if isinstance(sampling, dict) and sampling:
         key = next(iter(sampling))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchgen.request_checks import (
+from batchgen.engine.request_checks import (
     ModelLimits,
     check_cache_size,
     check_length,

@@ -11,15 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen.engine.request_checks import ModelLimits, check_token_ids
 from batchgen.io.rows import InputRow
 from batchgen.io.score_reader import MEMBERS_KEY
 from batchgen.io.score_rows import ScoreRow
-from batchgen.job_score import ScoreSpec
+from batchgen.job.spec import ScoreSpec
 from batchgen.outputs import RequestOutput
-from batchgen.planner import TokenizerLike, order_requests, with_source
-from batchgen.prompts import PromptError, PromptRenderer
-from batchgen.request_checks import ModelLimits, check_token_ids
-from batchgen.scoring import tokenize_for_scoring
+from batchgen.plan.planner import TokenizerLike, order_requests, with_source
+from batchgen.plan.prompts import PromptError, PromptRenderer
+from batchgen.plan.scoring import tokenize_for_scoring
 
 _MISSING = object()  # group layout: the candidate column is absent from a row
 

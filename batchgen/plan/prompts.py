@@ -12,7 +12,7 @@ import jinja2
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from batchgen.job import PromptSpec
+from batchgen.job.spec import PromptSpec
 
 
 class PromptError(ValueError):
@@ -27,38 +27,6 @@ class PromptError(ValueError):
 class RenderedPrompt:
     text: str
     add_special_tokens: bool  # False when a chat template already wrote BOS itself
-
-
-def _format_fields(text: str, where: str) -> list[str]:
-    """Plain column names used as `{column}` in `text`; attribute/index access is refused."""
-    names = []
-    try:
-        parsed = list(string.Formatter().parse(text))
-    except ValueError as e:
-        hint = "write a literal brace as {{ or }}"
-        raise PromptError("template_error", f"{where}: {e} ({hint})") from None
-    for _, name, spec, conv in parsed:
-        if name is None:
-            continue
-        if not name or not all(ch.isalnum() or ch in "_- " for ch in name) or spec or conv:
-            raise PromptError(
-                "template_error",
-                f"{where}: placeholder {{{name}{'!' + conv if conv else ''}"
-                f"{':' + spec if spec else ''}}} is not allowed; use a plain column name like "
-                "{text} (no attribute, index, conversion or format spec)",
-            )
-        names.append(name)
-    return names
-
-
-def placeholders(spec: PromptSpec) -> list[str]:
-    """Column names a prompt spec reads, in first-use order (raises PromptError if malformed)."""
-    names: list[str] = []
-    if spec.template is not None:
-        names += _format_fields(spec.template, "prompt.template")
-    for i, msg in enumerate(spec.chat or ()):
-        names += _format_fields(msg.content, f"prompt.chat[{i}].content")
-    return list(dict.fromkeys(names))
 
 
 def _fill(text: str, row: dict[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""Job spec: load a job YAML file, apply `--set` overrides and validate it into frozen dataclasses.
+"""Load a job YAML file, apply `--set` overrides and validate it into a JobSpec.
 
 Nothing here imports torch or loads a model: every error a job file can have is raised as a
 JobError naming the key path before any GPU work starts.
@@ -6,93 +6,33 @@ JobError naming the key path before any GPU work starts.
 
 from __future__ import annotations
 
-import difflib
 import os
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from batchgen.config import ConfigError, EngineConfig
-from batchgen.job_yaml import JobYAMLError, load_yaml
+from batchgen.job.keys import check_type, get, section, unknown_key
+from batchgen.job.placeholders import placeholders
+from batchgen.job.score import score_spec
+from batchgen.job.spec import (
+    COMPRESSIONS,
+    INPUT_FORMATS,
+    MODES,
+    OUTPUT_FORMATS,
+    ChatMessage,
+    InputSpec,
+    JobError,
+    JobSpec,
+    ModelSpec,
+    OutputSpec,
+    PromptSpec,
+    SamplingSpec,
+)
+from batchgen.job.yaml_loader import JobYAMLError, load_yaml
 from batchgen.sampling_params import SamplingParams, SamplingParamsError
 from batchgen.short_repr import short_repr
-
-if TYPE_CHECKING:
-    from batchgen.job_score import ScoreSpec
-
-MODES = ("generate", "score")
-INPUT_FORMATS = ("auto", "parquet", "jsonl", "openai-batch")
-OUTPUT_FORMATS = ("parquet", "openai-batch")
-COMPRESSIONS = ("zstd", "snappy", "gzip", "lz4", "none")
-
-
-class JobError(ValueError):
-    """The job file (or a --set override) cannot be used; the message names the key path."""
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    path: str
-    dtype: str = "auto"
-    options: tuple[tuple[str, Any], ...] = ()  # engine options beyond path/dtype, sorted
-
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(model=self.path, dtype=self.dtype, **dict(self.options))
-
-
-@dataclass(frozen=True)
-class InputSpec:
-    path: str
-    format: str = "auto"
-    id_column: str = "id"
-    columns: tuple[str, ...] = ()  # passed through to the output unchanged
-
-
-@dataclass(frozen=True)
-class ChatMessage:
-    role: str
-    content: str  # may hold {column} placeholders
-
-
-@dataclass(frozen=True)
-class PromptSpec:
-    template: str | None = None
-    chat: tuple[ChatMessage, ...] | None = None
-    chat_template: str | None = None  # overrides the model's own chat template
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    params: tuple[tuple[str, Any], ...] = ()  # SamplingParams fields given in the job, sorted
-    overrides_column: str | None = None
-
-    def base_params(self) -> dict[str, Any]:
-        return dict(self.params)
-
-
-@dataclass(frozen=True)
-class OutputSpec:
-    path: str
-    shard_rows: int = 10000
-    compression: str = "zstd"
-    format: str = "parquet"
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    model: ModelSpec
-    input: InputSpec
-    prompt: PromptSpec
-    sampling: SamplingSpec
-    output: OutputSpec
-    mode: str = "generate"
-    source: str = "<job>"  # the job file, for messages
-    score: ScoreSpec | None = None  # mode: score only (batchgen/job_score.py)
-
-
-# ----------------------------------------------------------------------------------- loading
 
 
 def load_job(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
@@ -122,7 +62,7 @@ def load_job(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (
 
 
 def parse_yaml(text: str, source: str) -> dict:
-    """Load a job document with batchgen.job_yaml's loader (safe_load values, no duplicate or
+    """Load a job document with batchgen.job.yaml_loader's loader (safe_load values, no duplicate or
     non-scalar keys, no alias bombs); every problem is a JobError naming the line."""
     try:
         raw = load_yaml(text)
@@ -177,67 +117,12 @@ def apply_override(raw: dict, item: str) -> None:
     node[parts[-1]] = parsed
 
 
-# -------------------------------------------------------------------------------- validation
-
-
-def _unknown(path: str, key: Any, known: list[str]) -> JobError:
-    hint = difflib.get_close_matches(str(key), known, n=1)
-    extra = f" (did you mean {hint[0]!r}?)" if hint else f" (known keys: {', '.join(known)})"
-    return JobError(f"{path}.{key}: unknown key{extra}" if path else f"{key}: unknown key{extra}")
-
-
-def _section(raw: dict, name: str, known: list[str], required: bool = True) -> dict:
-    sec = raw.get(name)
-    if sec is None:
-        if required:
-            raise JobError(f"{name}: missing required section")
-        return {}
-    if not isinstance(sec, dict):
-        raise JobError(f"{name}: expected a mapping, got {type(sec).__name__}")
-    for key in sec:
-        if key not in known:
-            raise _unknown(name, key, known)
-    return sec
-
-
-_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
-
-
-def _check_type(path: str, value: Any, annotation: str) -> Any:
-    """Check a value against a simple annotation string such as 'int | None' or 'float'."""
-    alts = [a.strip() for a in annotation.split("|")]
-    if value is None and "None" in alts:
-        return value
-    for alt in alts:
-        if alt in _TYPES and isinstance(value, _TYPES[alt]):
-            if alt != "bool" and isinstance(value, bool):
-                continue
-            return float(value) if alt == "float" and "int" not in alts else value
-        if alt.startswith("tuple[") and isinstance(value, (list, tuple, str)):
-            return value
-    want = " or ".join("null" if a == "None" else a.replace("tuple[", "list[") for a in alts)
-    raise JobError(f"{path}: expected {want}, got {type(value).__name__} {short_repr(value)}")
-
-
-def _get(sec: dict, path: str, key: str, annotation: str, default: Any = ..., choices=None):
-    if key not in sec or sec[key] is None and default is not ...:
-        if default is ...:
-            raise JobError(f"{path}.{key}: missing required key")
-        return default
-    value = _check_type(f"{path}.{key}", sec[key], annotation)
-    if choices is not None and value not in choices:
-        raise JobError(
-            f"{path}.{key}: {short_repr(value)} is not one of {', '.join(map(str, choices))}"
-        )
-    return value
-
-
 def validate_job(raw: dict, source: str = "<job>") -> JobSpec:
     """Turn a raw job mapping into a JobSpec, raising JobError naming the first bad key path."""
     top = ["model", "input", "prompt", "sampling", "output", "mode", "score"]
     for key in raw:
         if key not in top:
-            raise _unknown("", key, top)
+            raise unknown_key("", key, top)
     mode = raw.get("mode", "generate")
     if mode not in MODES:
         raise JobError(f"mode: {short_repr(mode)} is not supported (supported: {', '.join(MODES)})")
@@ -246,8 +131,6 @@ def validate_job(raw: dict, source: str = "<job>") -> JobSpec:
     prompt = _prompt_spec(raw, inp)
     sampling = _sampling_spec(raw)
     output = _output_spec(raw)
-    from batchgen.job_score import score_spec
-
     score = score_spec(raw, mode, inp, prompt, output)
     return JobSpec(model, inp, prompt, sampling, output, mode, source, score)
 
@@ -256,14 +139,14 @@ def _model_spec(raw: dict) -> ModelSpec:
     engine_fields = {f.name: f.type for f in fields(EngineConfig)}
     known = ["path", "dtype"] + [n for n in EngineConfig.option_names() if n not in ("model",)]
     known = list(dict.fromkeys(known))
-    sec = _section(raw, "model", known)
-    path = _get(sec, "model", "path", "str")
-    dtype = _get(sec, "model", "dtype", "str", "auto")
+    sec = section(raw, "model", known)
+    path = get(sec, "model", "path", "str")
+    dtype = get(sec, "model", "dtype", "str", "auto")
     options = {}
     for key, value in sec.items():
         if key in ("path", "dtype"):
             continue
-        options[key] = _check_type(f"model.{key}", value, str(engine_fields[key]))
+        options[key] = check_type(f"model.{key}", value, str(engine_fields[key]))
     spec = ModelSpec(check_path("model.path", path), dtype, tuple(sorted(options.items())))
     try:
         spec.engine_config()
@@ -273,10 +156,10 @@ def _model_spec(raw: dict) -> ModelSpec:
 
 
 def _input_spec(raw: dict) -> InputSpec:
-    sec = _section(raw, "input", ["path", "format", "id_column", "columns"])
-    path = check_path("input.path", _get(sec, "input", "path", "str"))
-    fmt = _get(sec, "input", "format", "str", "auto", INPUT_FORMATS)
-    id_column = _get(sec, "input", "id_column", "str", "id")
+    sec = section(raw, "input", ["path", "format", "id_column", "columns"])
+    path = check_path("input.path", get(sec, "input", "path", "str"))
+    fmt = get(sec, "input", "format", "str", "auto", INPUT_FORMATS)
+    id_column = get(sec, "input", "id_column", "str", "id")
     columns = sec.get("columns") or []
     if isinstance(columns, str) or not isinstance(columns, list):
         raise JobError(f"input.columns: expected a list of column names, got {short_repr(columns)}")
@@ -290,9 +173,9 @@ def _prompt_spec(raw: dict, inp: InputSpec) -> PromptSpec:
     # OpenAI batch lines carry their own prompts; with format auto, require_prompt() decides
     # once the input files are known.
     required = inp.format not in ("openai-batch", "auto")
-    sec = _section(raw, "prompt", ["template", "chat", "chat_template"], required=required)
-    template = _get(sec, "prompt", "template", "str", None)
-    chat_template = _get(sec, "prompt", "chat_template", "str", None)
+    sec = section(raw, "prompt", ["template", "chat", "chat_template"], required=required)
+    template = get(sec, "prompt", "template", "str", None)
+    chat_template = get(sec, "prompt", "chat_template", "str", None)
     chat_raw = sec.get("chat")
     if (required or sec) and (template is None) == (chat_raw is None):
         raise JobError("prompt: give exactly one of prompt.template or prompt.chat")
@@ -307,32 +190,27 @@ def _prompt_spec(raw: dict, inp: InputSpec) -> PromptSpec:
                 raise JobError(f"{where}: expected a mapping with role and content")
             for key in m:
                 if key not in ("role", "content"):
-                    raise _unknown(where, key, ["role", "content"])
-            role = _get(m, where, "role", "str")
+                    raise unknown_key(where, key, ["role", "content"])
+            role = get(m, where, "role", "str")
             if role not in ("system", "user", "assistant"):
                 raise JobError(
                     f"{where}.role: {short_repr(role)} is not one of system, user, assistant"
                 )
-            msgs.append(ChatMessage(role, _get(m, where, "content", "str")))
+            msgs.append(ChatMessage(role, get(m, where, "content", "str")))
         chat = tuple(msgs)
     spec = PromptSpec(template, chat, chat_template)
-    from batchgen.prompts import PromptError, placeholders
-
-    try:
-        placeholders(spec)
-    except PromptError as e:
-        raise JobError(str(e)) from None
+    placeholders(spec)  # JobError naming the key if a placeholder is malformed
     return spec
 
 
 def _sampling_spec(raw: dict) -> SamplingSpec:
     types = {f.name: str(f.type) for f in fields(SamplingParams)}
-    sec = _section(raw, "sampling", list(types) + ["overrides_column"], required=False)
+    sec = section(raw, "sampling", list(types) + ["overrides_column"], required=False)
     params = {}
     for key, value in sec.items():
         if key == "overrides_column":
             continue
-        params[key] = _check_type(f"sampling.{key}", value, types[key])
+        params[key] = check_type(f"sampling.{key}", value, types[key])
     try:
         SamplingParams(**params)
     except SamplingParamsError as e:
@@ -340,18 +218,18 @@ def _sampling_spec(raw: dict) -> SamplingSpec:
     for key in ("stop", "stop_token_ids"):
         if key in params and params[key] is not None:
             params[key] = tuple([params[key]] if isinstance(params[key], str) else params[key])
-    overrides_column = _get(sec, "sampling", "overrides_column", "str", None)
+    overrides_column = get(sec, "sampling", "overrides_column", "str", None)
     return SamplingSpec(tuple(sorted(params.items())), overrides_column)
 
 
 def _output_spec(raw: dict) -> OutputSpec:
-    sec = _section(raw, "output", ["path", "shard_rows", "compression", "format"])
-    path = check_path("output.path", _get(sec, "output", "path", "str"), output=True)
-    shard_rows = _get(sec, "output", "shard_rows", "int", 10000)
+    sec = section(raw, "output", ["path", "shard_rows", "compression", "format"])
+    path = check_path("output.path", get(sec, "output", "path", "str"), output=True)
+    shard_rows = get(sec, "output", "shard_rows", "int", 10000)
     if shard_rows < 1:
         raise JobError(f"output.shard_rows: {shard_rows} must be >= 1")
-    compression = _get(sec, "output", "compression", "str", "zstd", COMPRESSIONS)
-    fmt = _get(sec, "output", "format", "str", "parquet", OUTPUT_FORMATS)
+    compression = get(sec, "output", "compression", "str", "zstd", COMPRESSIONS)
+    fmt = get(sec, "output", "format", "str", "parquet", OUTPUT_FORMATS)
     return OutputSpec(path, shard_rows, compression, fmt)
 
 

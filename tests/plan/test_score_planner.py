@@ -6,7 +6,7 @@ from batchgen.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.io.score_rows import ScoreRow
 from batchgen.outputs import RequestOutput, ScoreOutput
-from batchgen.score_planner import Candidate, ScoreRequest, to_score_rows
+from batchgen.plan.score_planner import Candidate, ScoreRequest, to_score_rows
 
 
 def request_with_a_refused_candidate(source: str = "data/in.jsonl:4") -> ScoreRequest:

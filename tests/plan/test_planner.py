@@ -9,13 +9,13 @@ sys.path.insert(0, str(Path(__file__).parent / "pipeline"))
 
 from fake_engine import FakeTokenizer  # noqa: E402
 
+from batchgen.engine.request_checks import ModelLimits  # noqa: E402
 from batchgen.io.readers import OPENAI_KEY  # noqa: E402
 from batchgen.io.rows import InputRow  # noqa: E402
 from batchgen.job import PromptSpec  # noqa: E402
 from batchgen.outputs import RequestOutput  # noqa: E402
-from batchgen.planner import Planner, Request, order_requests, row_seed, to_result  # noqa: E402
-from batchgen.prompts import PromptRenderer  # noqa: E402
-from batchgen.request_checks import ModelLimits  # noqa: E402
+from batchgen.plan.planner import Planner, Request, order_requests, row_seed, to_result  # noqa: E402
+from batchgen.plan.prompts import PromptRenderer  # noqa: E402
 from batchgen.sampling_params import SamplingParams  # noqa: E402
 
 
