@@ -80,6 +80,22 @@ class PinnedStager:
         staged.copy_(t)
         return staged.to(self.device, non_blocking=True)
 
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor for this step to fill and then `upload` (pinned on CUDA, from the
+        step's buffer set; a plain CPU tensor on the CPU). Contents are stale: overwrite it."""
+        nbytes = dtype.itemsize
+        for n in shape:
+            nbytes *= n
+        if self.device.type != "cuda":
+            return torch.empty(shape, dtype=dtype)
+        return self._buffer(nbytes).view(dtype).view(shape)
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A host_buffer tensor on the device (an asynchronous copy; itself on the CPU)."""
+        if self.device.type != "cuda":
+            return host
+        return host.to(self.device, non_blocking=True)
+
     def to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """Start copying a device tensor into a pinned buffer; read it after the step's event."""
         if t is None or not t.is_cuda:

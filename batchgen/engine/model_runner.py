@@ -15,7 +15,7 @@ from batchgen.engine.prompt_allowance import auto_chunk_tokens
 from batchgen.engine.request_checks import check_cache_size
 from batchgen.engine.sampler import Sampler, SamplingBatch
 from batchgen.engine.scheduler_output import ScheduledSequence
-from batchgen.engine.step_handle import StepHandle
+from batchgen.engine.step_handle import StepForward, StepHandle
 from batchgen.engine.step_inputs import StepInputs, build_step_inputs, pad_block_tables
 from batchgen.kernels import ops
 from batchgen.layers import gemm_tuning, linear
@@ -204,17 +204,29 @@ class ModelRunner:
             **split,
         )
 
-    @torch.inference_mode()
     def launch(
         self,
         scheduled: list[ScheduledSequence],
         sampling: SamplingBatch,
         previous: StepHandle | None = None,
+        bitmask: torch.Tensor | None = None,
     ) -> StepHandle:
         """Enqueue one step on the device and return at once; `result()` waits for it.
 
         `previous` is the step still in flight: its sampled tokens, which this step's decode
         rows may take as input (PENDING_TOKEN in their token_ids), are read on the device.
+        `bitmask`: the sampling rows' allowed tokens (see `sample`).
+        """
+        return self.sample(self.forward(scheduled, previous), sampling, bitmask)
+
+    @torch.inference_mode()
+    def forward(
+        self, scheduled: list[ScheduledSequence], previous: StepHandle | None = None
+    ) -> StepForward:
+        """Enqueue a step's model pass and its sampling rows' logits; `sample` draws from them.
+
+        Split from the draw so the host can prepare what the draw needs (structured output's
+        token masks, which depend on the tokens of `previous`) while the device runs the pass.
         """
         self.stager.begin_step()
         step = build_step_inputs(scheduled, self.block_size)
@@ -233,19 +245,39 @@ class ModelRunner:
                 patch(input_ids)
             positions = self._tensor(step.positions, torch.int64)
             hidden = self.model(input_ids, positions, self._context(step))  # [T, H]
-        tokens = raw_logprobs = None
+        logits = None
         if sample_rows:
             rows = self._tensor(sample_rows, torch.int64)
             logits = self.model.compute_logits(hidden[rows])  # [N, V], the model's dtype
-            tokens, raw_logprobs = self.sampler.sample(logits, sampling)
         sample_ids = [item.seq.seq_id for item in scheduled if item.samples]
+        return StepForward(step, hidden, logits, sample_ids)
+
+    def bitmask_buffer(self, rows: int, words: int) -> torch.Tensor:
+        """A host [rows, words] int32 buffer for the step in progress's token masks (pinned on
+        CUDA); fill it, then pass it to `sample`."""
+        return self.stager.host_buffer((rows, words), torch.int32)
+
+    @torch.inference_mode()
+    def sample(
+        self, fwd: StepForward, sampling: SamplingBatch, bitmask: torch.Tensor | None = None
+    ) -> StepHandle:
+        """Enqueue the draw of a forward's sampling rows (and its scored positions' log-probs);
+        return the step's handle at once.
+
+        bitmask: [N, ceil(V / 32)] int32 from `bitmask_buffer`, the N sampling rows' allowed
+        tokens, uploaded here and applied inside the sampling kernels; None: no constraint.
+        """
+        tokens = raw_logprobs = None
+        if fwd.logits is not None:
+            mask = self.stager.upload(bitmask) if bitmask is not None else None
+            tokens, raw_logprobs = self.sampler.sample(fwd.logits, sampling, mask)
         return StepHandle(
             self.stager,
             tokens,
             raw_logprobs,
             sampling.params,
-            {seq_id: i for i, seq_id in enumerate(sample_ids)},
-            *self._score(hidden, step),
+            {seq_id: i for i, seq_id in enumerate(fwd.sample_ids)},
+            *self._score(fwd.hidden, fwd.step),
         )
 
     def _pending_patch(self, step: StepInputs, previous: StepHandle | None):
