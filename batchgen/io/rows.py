@@ -37,6 +37,8 @@ class ResultRow:
     num_output_tokens: int | list[int] = 0
     num_cached_tokens: int = 0
     chat: bool = False  # the prompt was a chat conversation (OpenAI-batch output style)
+    # Structured output: the text falls short of its constraint (None: unconstrained row).
+    incomplete: bool | None | list[bool | None] = None
 
     @classmethod
     def failed(cls, row: InputRow, code: str, message: str, passthrough=None, num_prompt_tokens=0):

@@ -73,7 +73,7 @@ def validate(
         raise JobError(f"prompt: {e}") from None
     limits = (limits_fn or factory.model_limits)(job)
     check_job_limits(job, limits)
-    planner = mode.planner(renderer, tok, limits)
+    planner = mode.planner(renderer, tok, limits, factory.structured_check(tok, limits))
     report = ValidateReport(files, score=job.mode == "score")
     for chunk in mode.reader(files, columns):
         plan = planner.plan(chunk)

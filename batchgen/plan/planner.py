@@ -8,16 +8,21 @@ a group (so long prefills start early and short ones fill the gaps).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
-from batchgen.engine.request_checks import ModelLimits, check_request
+from batchgen.engine.request_checks import ModelLimits, RequestError, check_request
 from batchgen.io.json_line import loads
 from batchgen.io.readers import OPENAI_KEY
 from batchgen.io.rows import InputRow, ResultRow
 from batchgen.outputs import RequestOutput
 from batchgen.plan.prompts import PromptError, PromptRenderer, RenderedPrompt
 from batchgen.sampling_params import SamplingParams, SamplingParamsError
+from batchgen.structured_outputs import StructuredOutputsParams
+
+# The row error code of a structured_outputs constraint the grammar engine refuses.
+BAD_STRUCTURED_OUTPUT = "bad_structured_output"
 
 PREFIX_TOKENS = 32  # rows whose first 32 prompt tokens agree form one prefix group
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
@@ -88,6 +93,10 @@ class Planner:
         passthrough: input columns copied to the output.
         overrides_column: optional column of per-row sampling overrides (dict or JSON text).
         allow_multi: rows may ask for n > 1 (the output has the list layout).
+        structured_check: constraint -> why the grammar engine refuses it, or None; a row
+            whose structured_outputs it refuses is a bad_structured_output error record. In a
+            run it is the engine's compiler, so planning a shard compiles its rows' new
+            constraints before they reach the engine.
     """
 
     def __init__(
@@ -99,6 +108,7 @@ class Planner:
         passthrough: tuple[str, ...] = (),
         overrides_column: str | None = None,
         allow_multi: bool = True,
+        structured_check: Callable[[StructuredOutputsParams], str | None] | None = None,
     ):
         self.renderer = renderer
         self.tokenizer = tokenizer
@@ -107,6 +117,7 @@ class Planner:
         self.passthrough = passthrough
         self.overrides_column = overrides_column
         self.allow_multi = allow_multi
+        self.structured_check = structured_check
 
     def plan(self, rows: list[InputRow]) -> Plan:
         errors: list[ResultRow] = []
@@ -131,7 +142,7 @@ class Planner:
             if not ids or (isinstance(prompt, RenderedPrompt) and prompt.text == ""):
                 errors.append(ResultRow.failed(row, "empty_prompt", "prompt is empty", keep))
                 continue
-            error = check_request(ids, params.params, self.limits)
+            error = check_request(ids, params.params, self.limits) or self._check_structured(params)
             if error is not None:
                 message = error.message
                 if error.field is not None:  # say where the field was set: job, body or row
@@ -143,6 +154,17 @@ class Planner:
                     Request(row.index, row.id, ids, params.params, keep, chat, row.source)
                 )
         return Plan(order_requests(requests), errors)
+
+    def _check_structured(self, params: _Params) -> RequestError | None:
+        """The row's constraint against the grammar engine (a refusal names where it was set:
+        params.structured_outputs.json: ..., sampling.structured_outputs...)."""
+        constraint = params.params.structured_outputs
+        if constraint is None or self.structured_check is None:
+            return None
+        refused = self.structured_check(constraint)
+        if refused is None:
+            return None
+        return RequestError(BAD_STRUCTURED_OUTPUT, refused, "structured_outputs")
 
     def _passthrough(self, row: InputRow) -> dict[str, Any]:
         data = row.data or {}
@@ -270,11 +292,16 @@ def to_result(request: Request, output: RequestOutput) -> ResultRow:
     if request.params.n == 1:
         s = samples[0]
         return ResultRow(
-            **base, text=s.text, finish_reason=s.finish_reason, num_output_tokens=len(s.token_ids)
+            **base,
+            text=s.text,
+            finish_reason=s.finish_reason,
+            num_output_tokens=len(s.token_ids),
+            incomplete=s.incomplete,
         )
     return ResultRow(
         **base,
         text=[s.text for s in samples],
         finish_reason=[s.finish_reason for s in samples],
         num_output_tokens=[len(s.token_ids) for s in samples],
+        incomplete=[s.incomplete for s in samples],
     )

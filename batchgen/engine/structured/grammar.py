@@ -67,7 +67,8 @@ def check_constraint(constraint: StructuredOutputsParams) -> str | None:
 
 
 def _message(kind: str, error: str) -> str:
-    error = error.strip()
+    # One line (an error record's message, a job error): the library's caret diagrams go.
+    error = " ".join(error.split())
     hint = ""
     if "Unimplemented keys" in error:
         hint = " (the grammar engine cannot enforce these keywords: drop them or loosen the schema)"
