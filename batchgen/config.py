@@ -65,6 +65,8 @@ class EngineConfig:
             (measured: +6% on llama3.1-8b nano, -3% on qwen3-0.6b; see README).
         allow_pickle: permit pickle `.bin` checkpoints (loaded with weights_only=True).
         seed: seeds weight-free randomness (the draw of seeds for requests without one).
+        structured_output_threads: threads that fill structured output's token masks each
+            step (None: llguidance's default, 80% of the CPUs up to 32).
     """
 
     model: str
@@ -87,6 +89,7 @@ class EngineConfig:
     mixed_chunk_tokens: int | None = None
     allow_pickle: bool = False
     seed: int = 0
+    structured_output_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -113,6 +116,10 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1")
+        if self.structured_output_threads is not None and self.structured_output_threads < 1:
+            raise ConfigError(
+                f"structured_output_threads={self.structured_output_threads}: must be >= 1"
+            )
         if self.admission_interval < 1:
             raise ConfigError(f"admission_interval={self.admission_interval}: must be >= 1")
         chunk = self.mixed_chunk_tokens

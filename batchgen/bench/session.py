@@ -34,6 +34,7 @@ class BenchOptions:
     num_prompts: int | None = None
     max_output_tokens: int | None = None
     warmup: int = 16
+    structured_schema: str | None = None  # a JSON schema file: constrained run + replay
 
 
 def _model_config(opts: BenchOptions) -> ModelConfig:
@@ -100,8 +101,25 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
     )
     cost = roofline.workload_cost(shape, w)
     del model  # the peer frees our model; keep no reference here
-    log(f"{w.name}: {w.num_requests} requests, {opts.repeat} timed run(s) ...")
-    runs = _repeat_engine(bench, w, opts.repeat, opts.warmup)
+    structured = None
+    if opts.structured_schema is not None:
+        from batchgen.bench.structured_bench import run_structured
+
+        log(f"{w.name} with {opts.structured_schema} on every request: {w.num_requests} requests")
+
+        def result(run: dict[str, Any], wl: Workload) -> dict[str, Any]:
+            wl_cost = roofline.workload_cost(shape, wl)
+            return _result(run, wl, wl_cost, ceilings, peak_memory_bytes(device))
+
+        structured = run_structured(
+            bench, w, opts.structured_schema, opts.repeat, opts.warmup, result, log
+        )
+        runs = structured.pop("runs")
+        w = dataclasses.replace(w, max_tokens=structured["replay"]["max_tokens"])
+        cost = roofline.workload_cost(shape, w)
+    else:
+        log(f"{w.name}: {w.num_requests} requests, {opts.repeat} timed run(s) ...")
+        runs = _repeat_engine(bench, w, opts.repeat, opts.warmup)
     peak = peak_memory_bytes(device)
     report: dict[str, Any] = {
         **env,
@@ -142,7 +160,10 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         "prefix_caching_off": None,
         "pipeline": None,
         "peer": None,
+        "structured": structured,
     }
+    if structured is not None:
+        report["workload"]["structured_schema"] = opts.structured_schema
     if w.name == "shared-prefix":
         log("shared-prefix: the same run with prefix caching off ...")
         off = _repeat_engine(bench, w, opts.repeat, opts.warmup, enable_prefix_caching=False)

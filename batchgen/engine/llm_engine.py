@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 import weakref
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from batchgen.config import EngineConfig
@@ -98,7 +98,6 @@ class LLMEngine:
         # Structured output: built with the first constrained request (its tokenizer index
         # takes about a second at a 150k vocabulary); requests whose grammar compiles.
         self.structured: StructuredOutputs | None = None
-        self._compiling: list[tuple[Future, Request]] = []
         # The pre-run heap is frozen while requests are unfinished (gc_pause.py); an engine
         # dropped mid-run gives its hold back when it is collected.
         self._heap = HeapFreeze()
@@ -168,7 +167,7 @@ class LLMEngine:
             request.logprobs = {s.seq_id: [] for s in seqs}
         if isinstance(prepared, Future):  # a new constraint: queued once it has compiled
             self._requests[request_id] = request
-            self._compiling.append((prepared, request))
+            self.structured.hold(prepared, request)
             return
         if prepared is not None:
             self.structured.add(seqs, prepared)
@@ -197,7 +196,9 @@ class LLMEngine:
             compiler = GrammarCompiler(
                 self.tokenizer.to_json(), self.limits.vocab_size, self.eos_token_ids
             )
-            self.structured = StructuredOutputs(compiler, self.eos_token_ids)
+            self.structured = StructuredOutputs(
+                compiler, self.eos_token_ids, self.config.structured_output_threads
+            )
         return self.structured
 
     def check_structured_outputs(self, constraint: StructuredOutputsParams) -> str | None:
@@ -211,23 +212,15 @@ class LLMEngine:
     def _admit_compiled(self) -> None:
         """Queue the requests whose constraint has compiled (reject those refused); when
         nothing else can run, wait for the first."""
-        if not self._compiling:
+        if self.structured is None or not self.structured.num_held:
             return
-        if not self.scheduler.has_unfinished() and self._inflight is None:
-            wait([f for f, _ in self._compiling], return_when=FIRST_COMPLETED)
-        waiting = []
-        for future, request in self._compiling:
-            if not future.done():
-                waiting.append((future, request))
+        idle = not self.scheduler.has_unfinished() and self._inflight is None
+        for request, error in self.structured.ready(block=idle):
+            if error is None:
+                self._schedule(request)
                 continue
-            try:
-                self.structured.add(request.seqs, future.result())
-            except GrammarError as e:
-                del self._requests[request.request_id]
-                self._reject(request.request_id, request.prompt_token_ids, e.code, str(e))
-                continue
-            self._schedule(request)
-        self._compiling = waiting
+            del self._requests[request.request_id]
+            self._reject(request.request_id, request.prompt_token_ids, error.code, str(error))
 
     def add_score_request(
         self,
@@ -428,19 +421,13 @@ class LLMEngine:
             request = self._requests.get(seq.request_id)
             if request is not None and request.finished() and request.settled():
                 self.stats.num_cached_tokens += sum(s.num_cached_tokens for s in request.seqs)
-                outputs.append(request.output(self._decode, self._incomplete(request)))
+                flags = None
+                if self.structured is not None and request.params.structured_outputs:
+                    flags = self.structured.finish(request)
+                outputs.append(request.output(self._decode, flags))
                 del self._requests[seq.request_id]
                 self.runner.sampler.penalties.release(s.seq_id for s in request.seqs)
         return outputs
-
-    def _incomplete(self, request: Request) -> dict[int, bool | None] | None:
-        """Per sample of a finished constrained request, whether its output falls short of the
-        constraint; its matchers are released. None for other requests."""
-        if self.structured is None or request.params.structured_outputs is None:
-            return None
-        flags = {s.seq_id: self.structured.incomplete(s) for s in request.seqs}
-        self.structured.release(s.seq_id for s in request.seqs)
-        return flags
 
     def _sampling_batch(self, scheduled) -> SamplingBatch:
         """Per sampling sequence: params, random-stream key and token index; token histories

@@ -11,9 +11,12 @@ from safetensors.torch import save_file
 from batchgen.models.errors import ModelLoadError
 from batchgen.models.presets import TINY_PRESETS
 from batchgen.models.tiny_tokenizer import BOS, CHAT_TEMPLATE, EOS, train_tokenizer
+from batchgen.models.wide_tokenizer import wide_bpe_tokenizer
 
 
-def make_model(out_dir: str, arch: str, preset: str = "tiny", seed: int = 0) -> None:
+def make_model(
+    out_dir: str, arch: str, preset: str = "tiny", seed: int = 0, vocab_size: int | None = None
+) -> None:
     """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json and
     generation_config.json for a random tiny `arch` model into `out_dir`.
 
@@ -22,16 +25,23 @@ def make_model(out_dir: str, arch: str, preset: str = "tiny", seed: int = 0) -> 
         arch: one of llama, mistral, qwen2, qwen3.
         preset: only "tiny" is written to disk (benchmark shapes are built on the device).
         seed: seeds the weights; the same seed gives the same tensors.
+        vocab_size: None: the trained 512-token tokenizer. Else a byte-level BPE of exactly
+            this many tokens (wide_tokenizer.py), so work whose cost depends on the vocabulary
+            (structured output's token masks) can be measured at a real model's size.
     """
     if preset != "tiny":
         raise ModelLoadError(f"preset {preset!r}: make-model writes only the 'tiny' preset")
     if arch not in TINY_PRESETS:
         raise ModelLoadError(f"arch {arch!r}: expected one of {', '.join(sorted(TINY_PRESETS))}")
     os.makedirs(out_dir, exist_ok=True)
-    tokenizer = train_tokenizer(seed=seed)
+    if vocab_size is None:
+        tokenizer = train_tokenizer(seed=seed)
+        # Pad the vocabulary past the tokenizer's, as real checkpoints do (ids it never emits).
+        vocab = (tokenizer.get_vocab_size() + 63) // 64 * 64
+    else:
+        tokenizer = wide_bpe_tokenizer(vocab_size, seed=seed)
+        vocab = vocab_size
     bos_id, eos_id = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
-    # Pad the vocabulary past the tokenizer's, as real checkpoints do (ids it never emits).
-    vocab = (tokenizer.get_vocab_size() + 63) // 64 * 64
     config = {
         **TINY_PRESETS[arch],
         "vocab_size": vocab,

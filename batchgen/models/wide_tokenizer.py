@@ -80,12 +80,14 @@ def wide_bpe_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
     tokens (ids 0..4: BOS, EOS, roles), the 256 byte tokens, then built tokens.
 
     Args:
-        vocab_size: total tokens (at least 1,024).
+        vocab_size: total tokens (more than the 261 special and byte tokens).
         seed: the same seed gives the same tokenizer.
     """
     specials = [BOS, EOS, *ROLE_TOKENS]
-    if vocab_size < 1024:
-        raise ValueError(f"vocab_size={vocab_size}: build at least 1,024 tokens")
+    if vocab_size <= len(specials) + 256:
+        raise ValueError(
+            f"vocab_size={vocab_size}: must exceed the {len(specials)} special and 256 byte tokens"
+        )
     byte_char = _byte_chars()
     vocab: dict[str, int] = {s: i for i, s in enumerate(specials)}
     for b in range(256):

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import llguidance
 import torch
 
+from batchgen.engine.request import Request
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.structured.bitmask import BitmaskFiller
-from batchgen.engine.structured.grammar import CompiledGrammar, GrammarCompiler
+from batchgen.engine.structured.grammar import CompiledGrammar, GrammarCompiler, GrammarError
 from batchgen.engine.structured.matcher import SequenceMatcher
 from batchgen.structured_outputs import StructuredOutputsParams
 
@@ -39,6 +41,11 @@ class StructuredOutputs:
         self.filler = BitmaskFiller(compiler.vocab_size, num_threads)
         self._matchers: dict[int, SequenceMatcher] = {}  # seq_id -> matcher
         self._worker: ThreadPoolExecutor | None = None
+        self._compiling: list[tuple[Future, Request]] = []  # requests held for their grammar
+        # Host time spent in `fill` (syncing matchers and computing masks), for benchmarks.
+        self.fill_seconds = 0.0
+        self.rows_filled = 0
+        self.steps_filled = 0
 
     @property
     def words(self) -> int:
@@ -54,6 +61,34 @@ class StructuredOutputs:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         return self._worker.submit(self.compiler.compile, constraint)
+
+    def hold(self, future: Future, request: Request) -> None:
+        """Keep a request out of the scheduler until its constraint has compiled."""
+        self._compiling.append((future, request))
+
+    @property
+    def num_held(self) -> int:
+        return len(self._compiling)
+
+    def ready(self, block: bool) -> list[tuple[Request, GrammarError | None]]:
+        """Held requests whose constraint is done compiling, each with its refusal or None
+        (then its matchers are added); block: wait for at least one first."""
+        if not self._compiling:
+            return []
+        if block:
+            wait([f for f, _ in self._compiling], return_when=FIRST_COMPLETED)
+        finished = [f.done() for f, _ in self._compiling]  # read once: a race would drop one
+        done = [item for item, ok in zip(self._compiling, finished) if ok]
+        self._compiling = [item for item, ok in zip(self._compiling, finished) if not ok]
+        out: list[tuple[Request, GrammarError | None]] = []
+        for future, request in done:
+            try:
+                self.add(request.seqs, future.result())
+            except GrammarError as e:
+                out.append((request, e))
+                continue
+            out.append((request, None))
+        return out
 
     def add(self, seqs: list[Sequence], compiled: CompiledGrammar) -> None:
         """A matcher in the start state for each of a request's sequences."""
@@ -77,6 +112,7 @@ class StructuredOutputs:
         sequences and of finished ones (their token will be dropped) allow every token.
         Returns (sequence, message) for each matcher that refused a token (its row allows
         every token too; the caller fails its request)."""
+        start = time.perf_counter()
         rows: list[llguidance.LLMatcher | None] = []
         errors: list[tuple[Sequence, str]] = []
         for seq in seqs:
@@ -91,15 +127,19 @@ class StructuredOutputs:
             else:
                 rows.append(state.matcher)
         self.filler.fill(out, rows)
+        self.fill_seconds += time.perf_counter() - start
+        self.rows_filled += sum(r is not None for r in rows)
+        self.steps_filled += 1
         return errors
 
-    def incomplete(self, seq: Sequence) -> bool | None:
-        """Whether a finished constrained sequence's output falls short of its constraint
-        (None for an unconstrained one)."""
-        state = self._matchers.get(seq.seq_id)
-        if state is None:
-            return None
-        return not state.complete(seq)
+    def finish(self, request: Request) -> dict[int, bool | None]:
+        """Per sample of a finished request, whether its output falls short of its constraint
+        (None where unconstrained); the request's matchers are released."""
+        flags = {}
+        for seq in request.seqs:
+            state = self._matchers.pop(seq.seq_id, None)
+            flags[seq.seq_id] = None if state is None else not state.complete(seq)
+        return flags
 
     def close(self) -> None:
         if self._worker is not None:
