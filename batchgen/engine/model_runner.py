@@ -80,6 +80,9 @@ class ModelRunner:
             )
         self.stager = PinnedStager(self.device)
         self.sampler = Sampler(self.stager.to_device)
+        # Structured output's token masks: a side stream and two device buffers (on first use).
+        self._mask_stream = None
+        self._mask_buffers: list[torch.Tensor | None] = [None, None]
         self.num_kv_blocks = self._num_kv_blocks()
         too_small = check_cache_size(self.num_kv_blocks * self.block_size, max_model_len)
         if too_small is not None:
@@ -269,7 +272,7 @@ class ModelRunner:
         """
         tokens = raw_logprobs = None
         if fwd.logits is not None:
-            mask = self.stager.upload(bitmask) if bitmask is not None else None
+            mask = self._upload_bitmask(bitmask) if bitmask is not None else None
             tokens, raw_logprobs = self.sampler.sample(fwd.logits, sampling, mask)
         return StepHandle(
             self.stager,
@@ -279,6 +282,30 @@ class ModelRunner:
             {seq_id: i for i, seq_id in enumerate(fwd.sample_ids)},
             *self._score(fwd.hidden, fwd.step),
         )
+
+    def _upload_bitmask(self, host: torch.Tensor) -> torch.Tensor:
+        """The step's token masks on the device. On CUDA the copy runs on a side stream into one
+        of two device buffers (the stager's sets' turn), so it overlaps the model pass already
+        enqueued instead of queueing behind it; the draw waits for it. Buffer k was last read
+        by the draw of step N - 2, which the engine has waited for."""
+        if self.device.type != "cuda":
+            return host
+        main = torch.cuda.current_stream(self.device)
+        if self._mask_stream is None:
+            self._mask_stream = torch.cuda.Stream(self.device)
+        turn = self.stager.turn
+        need = self.config.max_num_seqs * host.shape[1]
+        buf = self._mask_buffers[turn]
+        if buf is None or buf.numel() < need or buf.numel() < host.numel():
+            buf = torch.empty(max(need, host.numel()), dtype=torch.int32, device=self.device)
+            self._mask_buffers[turn] = buf
+            # Fresh memory may be a block the main stream freed with kernels still pending.
+            self._mask_stream.wait_stream(main)
+        dev = buf[: host.numel()].view(host.shape)
+        with torch.cuda.stream(self._mask_stream):
+            dev.copy_(host, non_blocking=True)
+        main.wait_stream(self._mask_stream)
+        return dev
 
     def _pending_patch(self, step: StepInputs, previous: StepHandle | None):
         """A function writing the in-flight step's sampled tokens into input_ids [T]."""
