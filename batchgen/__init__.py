@@ -6,6 +6,7 @@ import os
 
 from batchgen.outputs import CompletionOutput, RequestOutput, ScoreOutput
 from batchgen.sampling_params import SamplingParams
+from batchgen.structured_outputs import StructuredOutputsParams
 
 # Run from a plain checkout (PYTHONPATH=repo), `batchgen.kernels` must resolve to the repo's
 # top-level kernels/ directory, which an install maps into this namespace instead. Never expose
@@ -16,7 +17,14 @@ if not os.path.isdir(os.path.join(os.path.dirname(__file__), "kernels")) and os.
 ):
     __path__.append(_root)  # noqa: F821 - the package's own __path__
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ScoreOutput"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "ScoreOutput",
+]
 __version__ = "0.1.0"
 
 

@@ -178,3 +178,22 @@ def test_a_schema_per_row_compiles_and_holds(llm):
         if out.finish_reason == "stop":
             jsonschema.validate(json.loads(out.text), p.structured_outputs.json)
     assert sum(o.finish_reason == "stop" for o in outs) >= 0.8 * len(outs)
+
+
+def test_a_matcher_that_refuses_fails_its_request_alone(llm, monkeypatch):
+    # The mask makes a refusal impossible; should a matcher still refuse (a library bug), its
+    # request ends as an error output instead of drawing unconstrained, and no other is hurt.
+    structured = llm.engine._structured()
+    real_fill = type(structured).fill
+
+    def fill(self, out, seqs):
+        errors = real_fill(self, out, seqs)
+        bad = [s for s in seqs if s.request_id == "1" and s.num_output_tokens >= 3]
+        return errors + [(s, "refused for the test") for s in bad[:1]]
+
+    monkeypatch.setattr(type(structured), "fill", fill)
+    params = SamplingParams(max_tokens=40, seed=1, structured_outputs={"regex": "[a-z]{20,30}"})
+    outs = llm.generate(["a", "b", "c"], [params] * 3, use_tqdm=False)
+    assert outs[1].finish_reason == "error" and outs[1].error_code == "structured_output_failed"
+    assert "refused for the test" in outs[1].error
+    assert all(re.fullmatch("[a-z]{20,30}", outs[i].text) for i in (0, 2))
