@@ -12,10 +12,10 @@ class BitmaskFiller:
     """Fills [N, ceil(V / 32)] int32 masks: a constrained row gets its matcher's mask for the
     next token, every other row all ones (no constraint).
 
-    The masks come from llguidance's executor, a pool of native threads that computes one row
-    per task without the Python GIL (a Python thread pool calling each matcher measured slower:
-    see the package README). A row costs from a few microseconds (a state seen before) to about
-    a millisecond (a new lexer state at a 150k vocabulary).
+    The masks come from llguidance's executor, a pool of native threads that computes the rows
+    without the Python GIL and with no Python work per row (a Python thread pool releases the
+    GIL too, around each row). A row costs from a few microseconds (a state seen before) to
+    about a millisecond (a new lexer state at a 150k vocabulary); see the package README.
 
     Args:
         vocab_size: V, the logits' width.
