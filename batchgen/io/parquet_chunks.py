@@ -4,14 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import polars as pl
+if TYPE_CHECKING:
+    import polars as pl
 
-# What decoding a damaged file raises: ComputeError for a corrupt page or invalid UTF-8 in a
-# string column (polars validates it, so no lone surrogate reaches Python), a Rust panic for
-# stranger damage (PanicException is no Exception subclass), OSError for a failing disk.
-_DECODE_ERRORS = (pl.exceptions.PolarsError, pl.exceptions.PanicException, OSError)
+# polars is imported in the functions that read: importing the readers (the runner, the CLI)
+# must not need it.
+
+
+def _decode_errors() -> tuple[type[BaseException], ...]:
+    """What decoding a damaged file raises: ComputeError for a corrupt page or invalid UTF-8 in
+    a string column (polars validates it, so no lone surrogate reaches Python), a Rust panic for
+    stranger damage (PanicException is no Exception subclass), OSError for a failing disk."""
+    import polars as pl
+
+    return (pl.exceptions.PolarsError, pl.exceptions.PanicException, OSError)
 
 
 @dataclass
@@ -38,6 +46,8 @@ def read_chunks(
     The row count and row groups come from the footer, which must be readable (the job's
     column check reads it first); data pages are decoded chunk by chunk.
     """
+    import polars as pl
+
     lf = pl.scan_parquet(path)
     names = set(lf.collect_schema().names())
     cols = [id_column] + [c for c in columns if c in names]
@@ -46,12 +56,14 @@ def read_chunks(
         num_rows = min(chunk_rows, total - start)
         try:
             pieces = [Piece(start, num_rows, _decode(lf, cols, start, num_rows))]
-        except _DECODE_ERRORS:
+        except _decode_errors():
             pieces = _salvage(path, lf, cols, start, num_rows)
         yield pieces
 
 
 def _decode(lf: pl.LazyFrame, cols: list[str], start: int, num_rows: int) -> list[dict]:
+    import polars as pl
+
     records = list(lf.select(cols).slice(start, num_rows).collect().iter_rows(named=True))
     if len(records) != num_rows:  # the footer promised more rows than the pages hold
         raise pl.exceptions.ComputeError(f"decoded {len(records)} of {num_rows} rows")
@@ -63,10 +75,10 @@ def _salvage(path: str, lf: pl.LazyFrame, cols: list[str], start: int, num_rows:
     for a, b, group in _split_at_row_groups(path, start, start + num_rows):
         try:
             pieces.append(Piece(a, b - a, _decode(lf, cols, a, b - a)))
-        except _DECODE_ERRORS as e:
+        except _decode_errors() as e:
             try:
                 ids = [r[cols[0]] for r in _decode(lf, cols[:1], a, b - a)]
-            except _DECODE_ERRORS:
+            except _decode_errors():
                 ids = None
             pieces.append(Piece(a, b - a, None, ids, _first_line(e), group))
     return pieces

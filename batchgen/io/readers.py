@@ -8,8 +8,6 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-import polars as pl
-
 from batchgen.io.json_line import BOM, NotText, loads
 from batchgen.io.parquet_chunks import Piece, read_chunks
 from batchgen.io.parquet_schema import parquet_schema
@@ -138,6 +136,8 @@ def check_columns(files: list[str], spec: InputSpec, needed: list[str]) -> None:
 
 def _check_id_dtype(path: str, column: str, dtype) -> None:
     # Every row of a column of another type would be a bad_id row: refuse the job instead.
+    import polars as pl  # here, not at the top: importing the reader must not need polars
+
     ok = dtype is None or dtype == pl.Null or dtype.is_integer()
     if not ok and not isinstance(dtype, (pl.String, pl.Categorical, pl.Enum)):
         raise JobError(

@@ -6,14 +6,18 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
-
-import polars as pl
+from typing import TYPE_CHECKING, Any
 
 from batchgen.io import atomic
 from batchgen.io.openai_batch import output_line
 from batchgen.io.rows import ResultRow
 from batchgen.io.score_rows import ScoreRow
+
+if TYPE_CHECKING:
+    import polars as pl
+
+# polars is imported in the functions that build frames: importing the writer (the runner, the
+# CLI) must not need it.
 
 
 def shard_file(k: int, fmt: str) -> str:
@@ -54,6 +58,8 @@ def _column(values: list[Any], dtype: Any) -> pl.Series:
     """A passthrough column: the inputs' own dtype when every input file declares the same one
     (Parquet), else text. The type never depends on a shard's values, so every shard of a job
     has one schema, and no value is ever cast to null."""
+    import polars as pl
+
     if dtype is not None:
         try:
             return pl.Series(values=values, dtype=dtype, strict=True)
@@ -64,6 +70,8 @@ def _column(values: list[Any], dtype: Any) -> pl.Series:
 
 def to_frame(rows: list[ResultRow], layout: ShardLayout) -> pl.DataFrame:
     """Result rows as a DataFrame with the contract columns (see README: Output)."""
+    import polars as pl
+
     if layout.mode == "score":
         return score_frame(rows, layout)  # type: ignore[arg-type]
     str_t = pl.List(pl.String) if layout.multi else pl.String
@@ -92,6 +100,7 @@ def to_frame(rows: list[ResultRow], layout: ShardLayout) -> pl.DataFrame:
 
 def score_frame(rows: list[ScoreRow], layout: ShardLayout) -> pl.DataFrame:
     """Score rows as a DataFrame: one row per candidate (see README: Score mode)."""
+    import polars as pl
 
     def col(name: str, dtype: Any) -> pl.Series:
         return pl.Series(name, [getattr(r, name) for r in rows], dtype=dtype)
