@@ -85,23 +85,26 @@ def test_immutable_sandbox_blocks_mutation():
 
 
 @pytest.mark.parametrize(
-    "template, why",
+    "template, why, timeout_s",
     [
         # A loop driven by the row's data: stopped by the deadline, not run for minutes.
         (
             "{% for m in messages %}{% for i in range(100000) %}{% for j in range(100000) %}"
             "{% if m.role == 'z' %}x{% endif %}{% endfor %}{% endfor %}{% endfor %}",
             "took over",
+            0.3,
         ),
-        ("{{ 'a' * 300000000 }}", "'*' would build"),
-        ("{{ 10 ** 100000000 }}", "exponent"),
-        ("{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}", "output over"),
+        # The others must be stopped by their own limit: a deadline far off, so a loaded
+        # machine's slow render never reaches it first.
+        ("{{ 'a' * 300000000 }}", "'*' would build", 60.0),
+        ("{{ 10 ** 100000000 }}", "exponent", 60.0),
+        ("{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}", "output over", 60.0),
     ],
 )
-def test_chat_template_runs_under_limits(monkeypatch, template, why):
+def test_chat_template_runs_under_limits(monkeypatch, template, why, timeout_s):
     from batchgen.plan import prompts
 
-    monkeypatch.setattr(prompts, "RENDER_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(prompts, "RENDER_TIMEOUT_S", timeout_s)
     monkeypatch.setattr(prompts, "MAX_RENDER_CHARS", 1_000_000)
     spec = PromptSpec(chat=(ChatMessage("user", "{text}"),))
     renderer = PromptRenderer(spec, template)
