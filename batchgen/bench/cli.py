@@ -81,7 +81,7 @@ from batchgen.models.presets import PRESET_NAMES
 @click.option("--cpu-kv-cache-gb", type=float, default=None)
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
 def bench(**kw) -> None:
-    """Benchmark the engine on a standard workload (BENCHMARKS.md) and print one table last.
+    """Benchmark the engine on a standard workload (examples/benchmarks/README.md); one table last.
 
     Times only the generate phase (after model load and warm-up, GPU synchronized); reports
     output / total tok/s, requests/s, peak GPU memory, prefix-cache hit rate, preemptions and
