@@ -60,6 +60,7 @@ class Workspace:
     def __init__(self, path: Path, model_dir: str) -> None:
         self.path = path
         shutil.copytree(ROOT / "jobs", path / "jobs")
+        shutil.copytree(ROOT / "examples" / "openai_batch", path / "examples" / "openai_batch")
         data = path / "examples" / "data"
         data.mkdir(parents=True)
         for name, rows in KEEP_ROWS.items():
