@@ -8,7 +8,8 @@ from torch import nn
 from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
 from batchgen.models.registry import model_class
-from batchgen.models.weights import find_weight_files, iter_tensors
+from batchgen.models.weight_files import find_weight_files
+from batchgen.models.weights import iter_tensors
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
