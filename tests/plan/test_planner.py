@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent / "pipeline"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "pipeline"))
 
 from fake_engine import FakeTokenizer  # noqa: E402
 
