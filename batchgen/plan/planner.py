@@ -20,6 +20,10 @@ from batchgen.plan.prompts import Conversation, PromptError, PromptRenderer, Ren
 from batchgen.sampling_params import SamplingParams, SamplingParamsError
 
 PREFIX_TOKENS = 32  # rows whose first 32 prompt tokens agree form one prefix group
+# Characters per tokenizer call: tokenizing holds about 170 bytes per character at its peak
+# (encodings with offsets, masks and type ids), so 4 Mi characters peak near 0.7 GB, however
+# many rows a shard has (1,024 rows just under input.max_row_bytes would be 4 GiB at once).
+TOKENIZE_BATCH_CHARS = 4 << 20
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
 # OpenAI body fields that map onto SamplingParams (others, e.g. "model", are ignored).
 _OPENAI_PARAMS = {
@@ -248,10 +252,27 @@ class Planner:
                 if isinstance(p, RenderedPrompt) and p.add_special_tokens is flag
             ]
             if idx:
-                ids = self.tokenizer.encode_batch([prompts[i].text for i in idx], flag)
+                ids = encode_in_batches(self.tokenizer, [prompts[i].text for i in idx], flag)
                 for i, toks in zip(idx, ids):
-                    out[i] = list(toks)
+                    out[i] = toks
         return out  # type: ignore[return-value]
+
+
+def encode_in_batches(
+    tokenizer: TokenizerLike, texts: list[str], add_special_tokens: bool
+) -> list[list[int]]:
+    """tokenizer.encode_batch over `texts` in batches of at most TOKENIZE_BATCH_CHARS
+    characters (a longer text alone): a shard of long rows never tokenizes at once."""
+    out: list[list[int]] = []
+    start = 0
+    while start < len(texts):
+        end, chars = start + 1, len(texts[start])
+        while end < len(texts) and chars + len(texts[end]) <= TOKENIZE_BATCH_CHARS:
+            chars += len(texts[end])
+            end += 1
+        out += [list(ids) for ids in tokenizer.encode_batch(texts[start:end], add_special_tokens)]
+        start = end
+    return out
 
 
 def order_requests(requests: list[Request]) -> list[Request]:

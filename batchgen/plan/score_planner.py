@@ -17,7 +17,7 @@ from batchgen.io.score_reader import MEMBERS_KEY
 from batchgen.io.score_rows import ScoreRow
 from batchgen.job.spec import ScoreSpec
 from batchgen.outputs import RequestOutput
-from batchgen.plan.planner import TokenizerLike, order_requests, with_source
+from batchgen.plan.planner import TokenizerLike, encode_in_batches, order_requests, with_source
 from batchgen.plan.prompts import PromptError, PromptRenderer
 from batchgen.plan.scoring import tokenize_for_scoring
 
@@ -67,7 +67,7 @@ class _Encoder:
         self.tokenizer = tokenizer
         self.special = special
         unique = list(dict.fromkeys(texts))
-        self.cache = dict(zip(unique, tokenizer.encode_batch(unique, special))) if unique else {}
+        self.cache = dict(zip(unique, encode_in_batches(tokenizer, unique, special)))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         special = self.special and add_special_tokens
