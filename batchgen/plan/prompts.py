@@ -14,6 +14,7 @@ from typing import Any
 
 from batchgen.job.spec import PromptSpec
 from batchgen.plan.template_process import RenderStopped, TemplateLimits, TemplateProcess
+from batchgen.short_repr import short_repr
 
 __all__ = [
     "Conversation",
@@ -47,11 +48,25 @@ def _fill(text: str, row: dict[str, Any]) -> str:
             continue
         if name not in row:
             raise PromptError("missing_column", f"column {name!r} is missing from this row")
-        value = row[name]
-        if value is None:
-            raise PromptError("null_text", f"column {name!r} is null")
-        out.append(value if isinstance(value, str) else str(value))
+        out.append(_text(name, row[name]))
     return "".join(out)
+
+
+def _text(name: str, value: Any) -> str:
+    """A column's value as prompt text: a string as is, an integer or float as its decimal
+    text (7, 2.5, 1e+20, nan). Anything else (a list, object, bool, bytes, date) has no one
+    obvious text: that row is a bad_text error, never Python's str() of it."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        raise PromptError("null_text", f"column {name!r} is null")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise PromptError(
+        "bad_text",
+        f"column {name!r} holds {type(value).__name__} {short_repr(value)}, not text; "
+        "prompt columns take strings (or numbers)",
+    )
 
 
 @dataclass(frozen=True)

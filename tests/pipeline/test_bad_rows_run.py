@@ -1,4 +1,4 @@
-"""Runs and `validate` with rows over input.max_row_bytes: error records, nothing lost."""
+"""Runs and `validate` with rows too large or holding non-text: error records, nothing lost."""
 
 from __future__ import annotations
 
@@ -49,3 +49,24 @@ def test_validate_counts_rows_over_the_limit(tmp_path):
         limits_fn=lambda j: ModelLimits(256, FakeTokenizer.vocab_size),
     )
     assert report.rows == 5 and report.ok == 4 and dict(report.errors) == {"row_too_large": 1}
+
+
+def test_list_and_object_text_values_are_bad_text_records(tmp_path):
+    data = rows(6)
+    data[1]["text"] = ["a", "list"]
+    data[2]["text"] = {"an": "object"}
+    data[3]["text"] = 42  # a number is written as its decimal text
+    write_jsonl(tmp_path / "in.jsonl", data)
+    job = load(make_job(tmp_path, "in.jsonl"))
+    result = Runner(
+        job,
+        engine_factory=lambda j: FakeEngine(max_model_len=256),
+        tokenizer_factory=lambda j: FakeTokenizer(),
+    ).run()
+    assert result.complete
+    out = read_output("out")
+    assert out["error_code"].to_list() == [None, "bad_text", "bad_text", None, None, None]
+    assert out["error"][1] == (
+        "in.jsonl:2: column 'text' holds list ['a', 'list'], not text; prompt columns take "
+        "strings (or numbers)"
+    )

@@ -111,3 +111,23 @@ def test_chat_template_runs_under_limits(template, why, timeout_s):
     # A renderer of a good template renders a later row (the limits are per render).
     with PromptRenderer(spec, CHAT, limits=limits) as ok:
         assert ok.render({"text": "hi"}).text == "[user]hi[assistant]"
+
+
+@pytest.mark.parametrize(
+    "value, kind",
+    [(["a", "b"], "list"), ({"k": "v"}, "dict"), (True, "bool"), (b"raw", "bytes")],
+)
+def test_non_string_text_values_are_bad_text(value, kind):
+    spec = PromptSpec(template="Doc: {text}")
+    with pytest.raises(PromptError, match=f"column 'text' holds {kind} .*not text") as e:
+        PromptRenderer(spec).render({"text": value})
+    assert e.value.code == "bad_text"
+    chat = PromptSpec(chat=(ChatMessage("user", "{text}"),))
+    with pytest.raises(PromptError) as e:
+        PromptRenderer(chat, CHAT).render({"text": value})
+    assert e.value.code == "bad_text"
+
+
+def test_numbers_are_written_as_their_decimal_text():
+    r = PromptRenderer(PromptSpec(template="{a} {b} {c}"))
+    assert r.render({"a": 7, "b": 2.5, "c": -0.0}).text == "7 2.5 -0.0"
