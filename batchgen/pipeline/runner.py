@@ -172,6 +172,7 @@ class Runner:
     def _claim_output_dir(self) -> None:
         out = self.out_dir
         os.makedirs(out, exist_ok=True)
+        manifest.check_no_links(out)  # before anything in it is read, written or cleared
         old = manifest.read_job(out)
         # Only batchgen's own names (a first run killed mid-write leaves just a temp of
         # _job.json; a concurrent task may be writing one now) do not make it foreign.
