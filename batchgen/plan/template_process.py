@@ -114,7 +114,9 @@ class TemplateProcess:
         """Render each conversation; a row the template fails on gets its error, never raises
         for a template's fault (RenderStopped on a stop, TemplateWorkerError if no worker
         starts)."""
-        rows = [json.dumps(c, ensure_ascii=False).encode("utf-8") for c in conversations]
+        # ASCII JSON: a lone surrogate in a row travels escaped (the worker fails that row)
+        # instead of failing the encoding here.
+        rows = [json.dumps(c).encode("ascii") for c in conversations]
         out: list[Rendered] = []
         while len(out) < len(rows):
             batch, size = [], 0
@@ -174,7 +176,7 @@ class TemplateProcess:
         except _Died as e:
             self._stop_worker()
             raise TemplateWorkerError(f"the chat-template worker did not start: {e}") from None
-        config = (json.dumps(self._config, ensure_ascii=False) + "\n").encode("utf-8")
+        config = (json.dumps(self._config) + "\n").encode("ascii")
         try:
             (answer,) = self._exchange(config, 1, self.limits.timeout_s + KILL_GRACE_S)
         except _Died as e:
@@ -235,7 +237,7 @@ class TemplateProcess:
                 now = time.monotonic()
                 if deadline is not None and now > deadline:
                     limit = f"{self.limits.timeout_s:g} s"
-                    raise _Died(f"chat template took over {limit} on this row; worker killed")
+                    raise _Died(f"chat template took over {limit}; its worker was killed")
                 wait = POLL_S if deadline is None else min(POLL_S, deadline - now)
                 for key, _ in sel.select(max(wait, 0.0)):
                     if key.fd == in_fd:

@@ -58,7 +58,11 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _send(out, obj: dict) -> None:
-    out.write(json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n")
+    try:
+        line = json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:  # an error message quoting a lone surrogate: escape it
+        line = json.dumps(obj).encode("ascii")
+    out.write(line + b"\n")
     out.flush()
 
 

@@ -121,3 +121,14 @@ def test_rows_go_in_batches_and_render_in_order():
         process.close()
     assert [r.text for r in results] == [f"[user]row {i} " + "y" * 2000 for i in range(3000)]
     assert process.starts == 1
+
+
+def test_a_lone_surrogate_fails_its_row_only():
+    process = TemplateProcess(GOOD, limits=LIMITS)
+    try:
+        rows = [[{"role": "user", "content": "\ud800"}], [{"role": "user", "content": "fine"}]]
+        results = process.render(rows)
+    finally:
+        process.close()
+    assert results[0].text is None and "lone surrogate" in results[0].error
+    assert results[1].text == "[user]fine"
