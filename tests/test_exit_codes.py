@@ -28,6 +28,7 @@ from batchgen.engine.request_checks import ModelLimits  # noqa: E402
 from batchgen.io import writer  # noqa: E402
 from batchgen.pipeline import engine_factory  # noqa: E402
 
+REAL_BUILD_ENGINE = engine_factory.build_engine
 REAL = {
     "model_limits": engine_factory.model_limits,
     "build_tokenizer": engine_factory.build_tokenizer,
@@ -222,3 +223,17 @@ def test_75_stopped_and_130_second_sigint(tmp_path, monkeypatch):
     assert res.exit_code == 130, res.output
     (line,) = error_lines(res.output)
     assert line == "error: interrupted twice: stopped at once; committed shards are kept"
+
+
+def test_2_model_without_weights_validates_but_does_not_run(tiny_model_dir, tmp_path, monkeypatch):
+    # Config and tokenizer alone (copied to validate a job elsewhere): validate reads no
+    # weights and passes; run fails as the model loads, before anything is allocated.
+    job = job_of(tmp_path)
+    model = real_model(tiny_model_dir, tmp_path, monkeypatch)
+    (model / "model.safetensors").unlink()
+    assert invoke("validate", job).exit_code == 0
+    monkeypatch.setattr(engine_factory, "build_engine", REAL_BUILD_ENGINE)
+    res = invoke("run", job, "--set", "model.device=cpu")
+    assert res.exit_code == 2, res.output
+    (line,) = error_lines(res.output)
+    assert line.startswith("error: model: ") and "no weights found" in line

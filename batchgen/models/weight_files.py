@@ -58,3 +58,9 @@ def _files_from_index(path: str, index: str) -> list[str]:
             raise ModelLoadError(f"{index}: lists shard {name!r}, which is not in {path}")
         files.append(full)
     return files
+
+
+def has_weight_files(path: str) -> bool:
+    """Whether `path` holds any weight file or shard index at all (valid or not)."""
+    names = os.listdir(path) if os.path.isdir(path) else []
+    return any(n.endswith((".safetensors", ".bin", ".safetensors.index.json")) for n in names)
