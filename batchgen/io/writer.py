@@ -162,6 +162,8 @@ _POLARS_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 def _os_error(e: BaseException) -> OSError | None:
     """The OSError behind a failed write: itself, or the one polars reports in its message
     ("... No space left on device (os error 28)"); None for any other failure."""
+    import polars as pl
+
     if isinstance(e, OSError):
         return e
     found = _POLARS_OS_ERROR.search(str(e)) if isinstance(e, pl.exceptions.PolarsError) else None
