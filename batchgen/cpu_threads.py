@@ -1,12 +1,14 @@
 """CPU threads: OpenMP waits that yield a shared core, and a torch pool sized to the CPUs we own.
 
-Why (measured on a 2-core machine, see batchgen/engine/README.md): torch's OpenMP workers
-spin-wait between parallel regions (libgomp's default). Beside one other busy process, a
-spinning worker spends its share of the contested core spinning, then waits a whole scheduler
-slice to run its half of the next op; the 200-row demo went from 6 s to 40-160 s, 87% of its
-samples in libgomp's spin loops. A passive wait policy makes idle workers sleep, so they are
-woken at once when work arrives. libgomp reads the policy once, when torch loads it: it has to be
-in the environment before `import torch`.
+Why (measured 2026-11-27 on a 2-core machine, the 200-row demo `batchgen run
+jobs/summarize.yaml` beside `python3 -c 'while True: pass'`): torch's OpenMP workers spin-wait
+between parallel regions (libgomp's default). A spinning worker burns its share of the contested
+core, then waits a whole scheduler slice to run its half of the next op: the demo took 38-160 s
+beside the loop against 6-16 s without it, 87% of its perf samples in libgomp's spin loops
+(61 s of CPU for 160 s of wall time, 18,000 involuntary context switches). Sleeping workers are
+woken at once when work arrives: with OMP_WAIT_POLICY=PASSIVE the same pair took 10-13 s and
+6-7 s. libgomp reads the policy once, when torch loads it: it has to be in the environment
+before `import torch`.
 """
 
 from __future__ import annotations
