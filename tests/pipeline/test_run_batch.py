@@ -137,6 +137,7 @@ def entries(parts: Path) -> dict[str, int]:
     return {n: (parts / "_manifest" / n).stat().st_mtime_ns for n in names}
 
 
+@pytest.mark.slow  # two subprocess runs; `make test` (-m "not gpu") runs it
 def test_resumes_after_sigkill(tmp_path, monkeypatch, tiny_model_dir):
     model = tiny_model_dir("llama")
     write_jsonl(tmp_path / "in.jsonl", batch_lines(60))
