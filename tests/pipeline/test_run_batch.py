@@ -11,12 +11,14 @@ import sys
 import time
 from pathlib import Path
 
-import polars as pl
 import pytest
 import yaml
 from click.testing import CliRunner
 from kill_cycle import ENV
 from workspace import TEMPLATE, rows, write_jsonl, write_parquet
+
+# polars reads the Parquet these tests check; the GPU machine has none and runs no test here.
+pl = pytest.importorskip("polars", reason="polars (a runtime dependency) is not installed")
 
 from batchgen import cli
 
