@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
 
-import polars as pl
+if TYPE_CHECKING:
+    import polars as pl
 
 
 def parquet_schema(path: str) -> dict[str, pl.DataType]:
@@ -20,4 +22,6 @@ def parquet_schema(path: str) -> dict[str, pl.DataType]:
 @functools.lru_cache(maxsize=16384)
 def _read(path: str, size: int, mtime_ns: int) -> tuple[tuple[str, pl.DataType], ...]:
     # size and mtime_ns are part of the key only: a rewritten file is read again.
+    import polars as pl
+
     return tuple(pl.read_parquet_schema(path).items())

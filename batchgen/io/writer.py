@@ -5,15 +5,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
-from typing import Any
-
-import polars as pl
+from typing import TYPE_CHECKING, Any
 
 from batchgen.io import atomic
 from batchgen.io.openai_batch import output_line
 from batchgen.io.rows import ResultRow
 from batchgen.io.score_rows import ScoreRow
+
+if TYPE_CHECKING:
+    import polars as pl
+
+# polars is imported in the functions that build frames: importing the writer (the runner, the
+# CLI) must not need it.
 
 
 def shard_file(k: int, fmt: str) -> str:
@@ -59,6 +64,8 @@ def _column(values: list[Any], dtype: Any) -> pl.Series:
     """A passthrough column: the inputs' own dtype when every input file declares the same one
     (Parquet), else text. The type never depends on a shard's values, so every shard of a job
     has one schema, and no value is ever cast to null."""
+    import polars as pl
+
     if dtype is not None:
         try:
             return pl.Series(values=values, dtype=dtype, strict=True)
@@ -69,6 +76,8 @@ def _column(values: list[Any], dtype: Any) -> pl.Series:
 
 def to_frame(rows: list[ResultRow], layout: ShardLayout) -> pl.DataFrame:
     """Result rows as a DataFrame with the contract columns (see README: Output)."""
+    import polars as pl
+
     if layout.mode == "score":
         return score_frame(rows, layout)  # type: ignore[arg-type]
     str_t = pl.List(pl.String) if layout.multi else pl.String
@@ -118,6 +127,7 @@ def _parsed(text: str | list[str] | None) -> str | list[str | None] | None:
 
 def score_frame(rows: list[ScoreRow], layout: ShardLayout) -> pl.DataFrame:
     """Score rows as a DataFrame: one row per candidate (see README: Score mode)."""
+    import polars as pl
 
     def col(name: str, dtype: Any) -> pl.Series:
         return pl.Series(name, [getattr(r, name) for r in rows], dtype=dtype)
@@ -162,11 +172,31 @@ def write_shard(out_dir: str, k: int, rows: list[ResultRow], layout: ShardLayout
             to_frame(rows, layout).write_parquet(tmp, compression=codec)
         size, sha = _size_and_sha256(tmp)
         atomic.commit(tmp, final)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        error = _os_error(e)
+        if error is not None:
+            raise atomic.named(error, final) from e
         raise
     return {"file": os.path.basename(final), "size": size, "sha256": sha}
+
+
+_POLARS_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind a failed write: itself, or the one polars reports in its message
+    ("... No space left on device (os error 28)"); None for any other failure."""
+    import polars as pl
+
+    if isinstance(e, OSError):
+        return e
+    found = _POLARS_OS_ERROR.search(str(e)) if isinstance(e, pl.exceptions.PolarsError) else None
+    if found is None:
+        return None
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code))
 
 
 def _size_and_sha256(path: str) -> tuple[int, str]:

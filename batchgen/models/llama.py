@@ -254,10 +254,10 @@ class LlamaForCausalLM(nn.Module):
         F.linear / addmm hand cuBLAS an NN product instead of a TN one.
 
         On the H100, cuBLAS's kernels for the NN product stream these weights faster at decode
-        sizes (`gemm_shapes.py curve`, variant kn: gate_up at 32 rows in 80.5 us against 87.1,
-        2.92 TB/s of weights). In same-call A/Bs nano ran 0-1% faster on llama3.1-8b (three)
-        and 2% on qwen3-0.6b (one; RESULTS.md, eleventh session). qkv and o lost a little that
-        way, so they stay N-major. A tied lm_head is left alone: it is the embedding table,
+        sizes (gate_up at 32 rows in 80.5 us against 87.1, 2.92 TB/s of weights). In same-call
+        A/Bs nano ran 0-1% faster on llama3.1-8b (three) and 2% on qwen3-0.6b (one; 2026-11-23,
+        9ce2930, examples/benchmarks/RESULTS.md). qkv and o lost a little that way, so they
+        stay N-major. A tied lm_head is left alone: it is the embedding table,
         which is gathered by rows. Products may round differently (another kernel), as with any
         change of GEMM kernel.
         """

@@ -54,7 +54,8 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
-# Real architectures (BENCHMARKS.md) for random-weight benchmarks; built directly on the device.
+# Real architectures (examples/benchmarks/README.md) for random-weight benchmarks; built
+# directly on the device.
 BENCH_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": {
         "architectures": ["Qwen3ForCausalLM"],
