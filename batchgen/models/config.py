@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.models.errors import ModelLoadError
+from batchgen.models.moe_config import MoeConfig, moe_config
 from batchgen.models.registry import supported_architectures
 
 
@@ -35,6 +36,7 @@ class ModelConfig:
     torch_dtype: str | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default=())
+    moe: MoeConfig | None = None  # routed experts (Qwen3-MoE, Mixtral); None for dense models
 
     @classmethod
     def from_dir(cls, path: str) -> ModelConfig:
@@ -76,12 +78,13 @@ class ModelConfig:
         heads = int(need("num_attention_heads"))
         head_dim = raw.get("head_dim") or hidden // heads
         rope_theta, rope_scaling = _rope(raw, source)
-        if arch == "MistralForCausalLM" or (
-            arch == "Qwen2ForCausalLM" and raw.get("use_sliding_window")
+        windowed = ("MistralForCausalLM", "MixtralForCausalLM")
+        if arch in windowed or (
+            arch in ("Qwen2ForCausalLM", "Qwen3MoeForCausalLM") and raw.get("use_sliding_window")
         ):
             window = raw.get("sliding_window")
             max_pos = int(raw.get("max_position_embeddings", 0))
-            if window is not None and (arch != "MistralForCausalLM" or int(window) < max_pos):
+            if window is not None and (arch not in windowed or int(window) < max_pos):
                 raise ModelLoadError(
                     f"{source}: sliding_window={window} attention is not supported yet; "
                     "use a checkpoint whose config has sliding_window null"
@@ -103,13 +106,18 @@ class ModelConfig:
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
-            o_bias=attention_bias if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") else False,
+            o_bias=attention_bias if arch in _O_BIAS else False,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos,
+            moe=moe_config(raw, arch, int(need("num_hidden_layers")), source),
         )
+
+
+# Architectures whose attention_bias also puts a bias on o_proj.
+_O_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def _read_optional_json(path: str) -> dict | None:

@@ -7,6 +7,8 @@ Projections are fused at load time: q/k/v into qkv_proj, gate/up into gate_up_pr
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from batchgen.kernels import ops
 from torch import nn
@@ -121,10 +123,12 @@ def _add_projection_(residual: torch.Tensor, x: torch.Tensor, proj: nn.Linear) -
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, mlp: nn.Module
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, rotary_emb)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp  # LlamaMLP, or a mixture-of-experts block (models/moe_decoder.py)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norms_folded = False  # set by LlamaForCausalLM.fold_norms_
@@ -154,14 +158,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, mlp_block: Callable[[int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, i, rotary_emb) for i in range(config.num_hidden_layers)]
+            [
+                LlamaDecoderLayer(config, i, rotary_emb, mlp_block(i))
+                for i in range(config.num_hidden_layers)
+            ]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -196,10 +203,14 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, self.mlp_block)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def mlp_block(self, layer_idx: int) -> nn.Module:
+        """The MLP of decoder layer layer_idx (mixture-of-experts models override this)."""
+        return LlamaMLP(self.config)
 
     def shard_sizes(self, fused: str) -> list[int]:
         """Row counts of the pieces stacked into a fused projection, in order."""

@@ -57,7 +57,8 @@ def load_model(
 
 
 def load_weights(model: nn.Module, tensors) -> None:
-    """Copy (file, HF name, tensor) triples into the model, fusing packed projections.
+    """Copy (file, HF name, tensor) triples into the model, fusing packed projections (and
+    stacking per-expert tensors, for models that say how: see _our_name and _shard_sizes).
 
     Every parameter (and every shard of a fused one) must be filled exactly once.
     """
@@ -67,9 +68,8 @@ def load_weights(model: nn.Module, tensors) -> None:
     for name in params:
         if tied and name == "lm_head.weight":
             continue
-        fused = next((f for f, _ in model.packed_modules.values() if f"{f}." in name), None)
-        count = len(model.shard_sizes(fused)) if fused else 1
-        needed.update((name, i) for i in range(count))
+        sizes = _shard_sizes(model, name)
+        needed.update((name, i) for i in range(len(sizes) if sizes else 1))
     filled: set[tuple[str, int]] = set()
     unexpected: list[str] = []
     for file, hf_name, tensor in tensors:
@@ -82,8 +82,10 @@ def load_weights(model: nn.Module, tensors) -> None:
         param = params[name]
         target = param.data
         if shard is not None:
-            sizes = model.shard_sizes(name.split(".")[-2])
+            sizes = _shard_sizes(model, name)
             offset = sum(sizes[:shard])
+            if target.dim() == 3:  # stacked experts [E, R, C]: shards are rows of [E * R, C]
+                target = target.flatten(0, 1)
             target = target.narrow(0, offset, sizes[shard])
         if tuple(tensor.shape) != tuple(target.shape):
             raise ModelLoadError(
@@ -109,8 +111,24 @@ def load_weights(model: nn.Module, tensors) -> None:
         )
 
 
+def _shard_sizes(model: nn.Module, name: str) -> list[int] | None:
+    """Row counts of the checkpoint tensors parameter `name` is fused from, in order (None: one
+    tensor). A model's own param_shard_sizes(name) answers first where it has one."""
+    own = getattr(model, "param_shard_sizes", None)
+    sizes = own(name) if own is not None else None
+    if sizes is not None:
+        return sizes
+    fused = next((f for f, _ in model.packed_modules.values() if f"{f}." in name), None)
+    return model.shard_sizes(fused) if fused else None
+
+
 def _our_name(model: nn.Module, hf_name: str) -> tuple[str, int | None]:
-    """HF tensor name -> (our parameter name, shard index within a fused parameter or None)."""
+    """HF tensor name -> (our parameter name, shard index within a fused parameter or None).
+    A model's own checkpoint_name(hf_name) answers first where it has one."""
+    own = getattr(model, "checkpoint_name", None)
+    mapped = own(hf_name) if own is not None else None
+    if mapped is not None:
+        return mapped
     for hf_part, (ours, shard) in model.packed_modules.items():
         if f".{hf_part}." in hf_name:
             return hf_name.replace(f".{hf_part}.", f".{ours}."), shard
