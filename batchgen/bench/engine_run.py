@@ -72,6 +72,9 @@ class RunResult:
     # The GPU during the timed run (gpu_power.summarize), {"error": why} where it could not be
     # sampled on CUDA, None off CUDA.
     gpu: dict[str, Any] | None = None
+    # Mixture-of-experts models: experts the steps' real tokens reached, summed over steps and
+    # sparse layers (the MoE roofline's expert reads); None for dense models.
+    experts_touched: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -118,6 +121,8 @@ def run_engine(bench: Bench, w: Workload, warmup: int = 16, **overrides: Any) ->
     if warmup:
         warm_up(engine, w, warmup)
     before = dataclasses.replace(engine.stats)
+    counter = getattr(bench.runner.model, "expert_counter", None)
+    touched_before = counter.read() if counter is not None else 0
 
     def go() -> int:
         submit(engine, w, "")
@@ -140,4 +145,5 @@ def run_engine(bench: Bench, w: Workload, warmup: int = 16, **overrides: Any) ->
         steps=s.num_steps - before.num_steps,
         errors=errors,
         gpu=gpu,
+        experts_touched=counter.read() - touched_before if counter is not None else None,
     )

@@ -12,15 +12,16 @@ from batchgen.models.config import ModelConfig
 from batchgen.models.loader import build_model
 from batchgen.models.presets import BENCH_PRESETS, PRESET_NAMES, TINY_PRESETS
 
-# The `tiny` preset: the tiny Llama shape with a small vocabulary, for CPU smoke runs.
+# The `tiny` / `tiny-moe` presets: tiny shapes with a small vocabulary, for CPU smoke runs.
 TINY_VOCAB = 512
+_TINY_ARCH = {"tiny": "llama", "tiny-moe": "qwen3_moe"}
 _INIT_STD = 0.02  # HF initializer_range: activations stay finite in bf16 over 28-32 layers
 
 
 def preset_config(name: str) -> dict[str, Any]:
     """The HF-style config dict of preset `name` (a copy; callers may change it)."""
-    if name == "tiny":
-        return {**copy.deepcopy(TINY_PRESETS["llama"]), "vocab_size": TINY_VOCAB}
+    if name in _TINY_ARCH:
+        return {**copy.deepcopy(TINY_PRESETS[_TINY_ARCH[name]]), "vocab_size": TINY_VOCAB}
     if name not in BENCH_PRESETS:
         raise ValueError(f"model preset {name!r}: expected one of {', '.join(PRESET_NAMES)}")
     return copy.deepcopy(BENCH_PRESETS[name])

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from batchgen.bench import roofline
+from batchgen.bench import moe_roofline, roofline
 from batchgen.bench.ceilings import measure_ceilings
 from batchgen.bench.engine_run import Bench, build_bench, run_engine
 from batchgen.bench.random_model import non_embedding_params, parameter_bytes, preset_config
@@ -48,23 +48,55 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+@dataclass(frozen=True)
+class Roofline:
+    """What the roofline metrics of a run need: the model's shape, its experts (None: dense)
+    and the workload's ideal cost."""
+
+    shape: roofline.ModelShape
+    experts: moe_roofline.ExpertShape | None
+    cost: roofline.WorkloadCost
+
+
+def _roofline(mc: ModelConfig, model, itemsize: int, w: Workload) -> Roofline:
+    """itemsize: bytes of a weight and of a KV element (the runner's dtype)."""
+    shape = roofline.model_shape(mc, non_embedding_params(model), parameter_bytes(model), itemsize)
+    experts = moe_roofline.expert_shape(mc, itemsize)
+    if experts is None:
+        return Roofline(shape, None, roofline.workload_cost(shape, w))
+    return Roofline(shape, experts, moe_roofline.resident_cost(shape, experts, w))
+
+
 def _result(
     run: dict[str, Any],
     w: Workload,
-    cost: roofline.WorkloadCost,
+    roof: Roofline,
     ceilings: dict[str, Any],
     peak: int | None,
 ) -> dict[str, Any]:
     out = {**run, **hit_rates(run, w), "peak_gpu_memory_bytes": peak}
+    wall, output_tokens = run["wall_s"], run.get("output_tokens", 0)
+    copy_bw = ceilings["copy_tb_s"] * 1e12
     out.update(
         roofline.roofline_metrics(
-            cost,
-            run["wall_s"],
-            run.get("output_tokens", 0),
-            ceilings["matmul_tflops"] * 1e12,
-            ceilings["copy_tb_s"] * 1e12,
+            roof.cost, wall, output_tokens, ceilings["matmul_tflops"] * 1e12, copy_bw
         )
     )
+    if roof.experts is not None and run.get("experts_touched") is not None:
+        out.update(
+            moe_roofline.steps_taken_metrics(
+                roof.shape,
+                roof.experts,
+                w,
+                run["steps"],
+                run["experts_touched"],
+                wall,
+                output_tokens,
+                copy_bw,
+            )  # fmt: skip
+        )
+    out.setdefault("roofline_fraction_steps_taken", None)
+    out.setdefault("experts_touched_per_layer_step", None)
     out.setdefault("preemptions", None)
     out.setdefault("steps", None)
     out.setdefault("errors", None)
@@ -94,12 +126,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
             f"GEMM tuning: cuBLASLt runs {tuning.tuned} of {tuning.shapes} projection shapes "
             f"({tuning.timed} timed now, {tuning.seconds:.1f} s)"
         )
-    model = bench.runner.model
-    shape = roofline.model_shape(
-        mc, non_embedding_params(model), parameter_bytes(model), bench.runner.dtype.itemsize
-    )
-    cost = roofline.workload_cost(shape, w)
-    del model  # the peer frees our model; keep no reference here
+    roof = _roofline(mc, bench.runner.model, bench.runner.dtype.itemsize, w)
+    shape = roof.shape
     log(f"{w.name}: {w.num_requests} requests, {opts.repeat} timed run(s) ...")
     runs = _repeat_engine(bench, w, opts.repeat, opts.warmup)
     peak = peak_memory_bytes(device)
@@ -126,6 +154,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
             "non_embedding_parameters": shape.non_embedding_params,
             "weight_bytes": shape.weight_bytes,
             "kv_bytes_per_token": shape.kv_bytes_per_token,
+            "experts": dataclasses.asdict(roof.experts) if roof.experts else None,
             "num_kv_blocks": bench.runner.num_kv_blocks,
             "max_model_len": max_len,
         },
@@ -138,7 +167,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         "gemm_tuning": dataclasses.asdict(tuning) if tuning is not None else None,
         "repeat": opts.repeat,
         "runs": runs,
-        "result": _result(median_run(runs), w, cost, ceilings, peak),
+        "result": _result(median_run(runs), w, roof, ceilings, peak),
         "prefix_caching_off": None,
         "pipeline": None,
         "peer": None,
@@ -146,20 +175,20 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
     if w.name == "shared-prefix":
         log("shared-prefix: the same run with prefix caching off ...")
         off = _repeat_engine(bench, w, opts.repeat, opts.warmup, enable_prefix_caching=False)
-        off_result = _result(median_run(off), w, cost, ceilings, peak_memory_bytes(device))
+        off_result = _result(median_run(off), w, roof, ceilings, peak_memory_bytes(device))
         report["prefix_caching_off"] = {
             "runs": off,
             "result": off_result,
             "ratio": off_result["wall_s"] / report["result"]["wall_s"],
         }
     if w.name == "pipeline":
-        report["pipeline"] = _pipeline(bench, w, opts, cost, ceilings, report, log)
+        report["pipeline"] = _pipeline(bench, w, opts, roof, ceilings, report, log)
     if opts.peer == "hf":
-        report["peer"] = _peer(bench, w, opts, cost, ceilings, report, log)
+        report["peer"] = _peer(bench, w, opts, roof, ceilings, report, log)
     return report
 
 
-def _pipeline(bench, w, opts, cost, ceilings, report, log) -> dict[str, Any]:
+def _pipeline(bench, w, opts, roof, ceilings, report, log) -> dict[str, Any]:
     from batchgen.bench.pipeline_bench import PipelineUnavailable, run_pipeline
 
     log(f"pipeline: Runner end to end over {w.num_requests} JSONL rows ...")
@@ -167,7 +196,7 @@ def _pipeline(bench, w, opts, cost, ceilings, report, log) -> dict[str, Any]:
         runs = [rates(run_pipeline(bench, w), w) for _ in range(opts.repeat)]
     except PipelineUnavailable as e:
         return {"error": str(e), "runs": [], "result": None, "overhead": None, "ratio": None}
-    result = _result(median_run(runs), w, cost, ceilings, peak_memory_bytes(bench.device))
+    result = _result(median_run(runs), w, roof, ceilings, peak_memory_bytes(bench.device))
     return {
         "entry_point": "batchgen.pipeline.runner.Runner(job).run()",
         "input": "OpenAI-batch JSONL, /v1/completions, token-id prompts",
@@ -178,7 +207,7 @@ def _pipeline(bench, w, opts, cost, ceilings, report, log) -> dict[str, Any]:
     }
 
 
-def _peer(bench, w, opts, cost, ceilings, report, log) -> dict[str, Any]:
+def _peer(bench, w, opts, roof, ceilings, report, log) -> dict[str, Any]:
     from batchgen.bench import peer_hf
     from batchgen.models.hf_export import to_hf_state_dict
 
@@ -210,6 +239,6 @@ def _peer(bench, w, opts, cost, ceilings, report, log) -> dict[str, Any]:
         log(f"peer hf unavailable: {e}")
         return block
     run = median_run(block["runs"])
-    block["result"] = _result(run, w, cost, ceilings, run.get("peak_gpu_memory_bytes"))
+    block["result"] = _result(run, w, roof, ceilings, run.get("peak_gpu_memory_bytes"))
     block["ratio"] = report["result"]["output_tok_s"] / block["result"]["output_tok_s"]
     return block

@@ -84,9 +84,9 @@ class MoeForCausalLM(LlamaForCausalLM):
             return None
         layer, found, expert, projection = match.groups()
         gate, up, down = self.checkpoint_experts
-        if found != block or projection not in (gate, up, down):
-            return None
         e = int(expert)
+        if found != block or projection not in (gate, up, down) or e >= self.config.moe.num_experts:
+            return None  # not ours: reported as unexpected
         if projection == down:
             return f"{layer}.mlp.experts.down_proj", e
         return f"{layer}.mlp.experts.gate_up_proj", 2 * e + (projection == up)

@@ -65,10 +65,32 @@ def test_transformers_saves_the_hubs_per_expert_names(tiny_moe_dir):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_logits_equal_transformers_on_ragged_batch(tiny_moe_dir, variant):
-    path = tiny_moe_dir(variant)
+    model, ref_model = assert_logits_match(tiny_moe_dir(variant), SPARSE_LAYERS[variant])
+    # Every expert of the first sparse layer holds its own checkpoint tensors.
+    layer = SPARSE_LAYERS[variant].index(True)
+    experts = ref_model.model.layers[layer].mlp.experts
+    mine = model.model.layers[layer].mlp.experts
+    assert torch.equal(mine.gate_up_proj, experts.gate_up_proj)
+    assert torch.equal(mine.down_proj, experts.down_proj)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_make_model_writes_moe_checkpoints_transformers_reads(tiny_model_dir, arch):
+    # `batchgen make-model --arch qwen3_moe|mixtral`: the Hub's per-expert names, which
+    # transformers loads into the same model as ours.
+    path = tiny_model_dir(arch)
+    keys = saved_keys(path)
+    expert = "mlp.experts.7.up_proj" if arch == "qwen3_moe" else "block_sparse_moe.experts.3.w3"
+    assert f"model.layers.0.{expert}.weight" in keys
+    assert_logits_match(path, [True, False] if arch == "qwen3_moe" else [True, True])
+
+
+def assert_logits_match(path: str, sparse_layers: list[bool]):
+    """Our fp32 logits of PROMPTS as one ragged batch equal transformers' within 1e-4; returns
+    (our model, transformers' model)."""
     model, config = load_model(path, "float32", "cpu")
     sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers]
-    assert sparse == SPARSE_LAYERS[variant] == list(config.moe.sparse_layers)
+    assert sparse == sparse_layers == list(config.moe.sparse_layers)
     tok = Tokenizer.from_dir(path)
     prompts = [tok.encode(p) for p in PROMPTS]
     ids = torch.tensor([t for p in prompts for t in p])
@@ -80,12 +102,7 @@ def test_logits_equal_transformers_on_ragged_batch(tiny_moe_dir, variant):
         ref = torch.cat([ref_model(torch.tensor([p])).logits[0] for p in prompts])
     assert ours.shape == ref.shape
     assert (ours - ref).abs().max().item() <= 1e-4
-    # Every expert of the first sparse layer holds its own checkpoint tensors.
-    layer = SPARSE_LAYERS[variant].index(True)
-    experts = ref_model.model.layers[layer].mlp.experts
-    mine = model.model.layers[layer].mlp.experts
-    assert torch.equal(mine.gate_up_proj, experts.gate_up_proj)
-    assert torch.equal(mine.down_proj, experts.down_proj)
+    return model, ref_model
 
 
 @pytest.fixture(scope="module")
