@@ -5,7 +5,7 @@ share BLOCK_M; BLOCK_N / BLOCK_K / GROUP_M / warps / stages are per GEMM. TUNED 
 measured winners keyed by (token bucket, experts, hidden, expert intermediate, top-k, dtype
 name); anything else gets default_tiles, a rule of thumb: few pairs per expert (decode) want
 small row blocks and wide K steps (the GEMM streams weights), many want the square tiles of a
-compute-bound GEMM. examples/benchmarks/tune_fused_moe.py times candidates on a GPU and prints
+compute-bound GEMM. `python -m batchgen.bench.moe_tune` times candidates on a GPU and prints
 entries for TUNED.
 """
 
@@ -33,7 +33,7 @@ class MoeTiles(NamedTuple):
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 1024, 2048, 4096, 8192)
 
 # (bucket, experts, hidden, intermediate, top_k, dtype) -> tiles, measured on the H100 by
-# examples/benchmarks/tune_fused_moe.py. Empty until measured: default_tiles runs everywhere.
+# `python -m batchgen.bench.moe_tune`. Empty until measured: default_tiles runs everywhere.
 TUNED: dict[tuple[int, int, int, int, int, str], MoeTiles] = {}
 
 # Shared memory a config may use per program (the H100 offers 227 KB; leave room for the

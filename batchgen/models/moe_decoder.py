@@ -27,6 +27,7 @@ from torch import nn
 from batchgen.layers.context import AttentionContext
 from batchgen.layers.moe import ExpertCounter, SparseMoeBlock
 from batchgen.models.config import ModelConfig
+from batchgen.models.errors import ModelLoadError
 from batchgen.models.llama import LlamaForCausalLM
 
 # model.layers.{i}.{block}.experts.{e}.{projection}.weight
@@ -45,9 +46,15 @@ class MoeForCausalLM(LlamaForCausalLM):
     checkpoint_block = "mlp"
     checkpoint_experts = ("gate_proj", "up_proj", "down_proj")
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp=None) -> None:
         if config.moe is None:
             raise ValueError(f"{config.architecture}: a mixture-of-experts model needs config.moe")
+        if tp is not None and getattr(tp, "size", 1) > 1:
+            raise ModelLoadError(
+                f"{config.architecture}: tensor parallel is not supported for mixture-of-experts "
+                f"models yet (tensor_parallel_size={tp.size}); run it on one GPU with "
+                "tensor_parallel_size 1 (Qwen3-30B-A3B fits one 80 GB GPU in bf16)"
+            )
         # Built before the layers, which share it, on the device the model is being built on.
         self.expert_counter = ExpertCounter()
         super().__init__(config)

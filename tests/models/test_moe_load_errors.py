@@ -86,3 +86,13 @@ def test_mixtral_sliding_window_is_refused(tiny_model_dir):
     raw["sliding_window"] = 128
     with pytest.raises(ModelLoadError, match="sliding_window=128"):
         ModelConfig.from_dict(raw)
+
+
+def test_tensor_parallel_is_refused_by_name(tiny_model_dir):
+    from types import SimpleNamespace
+
+    from batchgen.models.moe_decoder import Qwen3MoeForCausalLM
+
+    config = ModelConfig.from_dir(tiny_model_dir("qwen3_moe"))
+    with pytest.raises(ModelLoadError, match="tensor parallel is not supported.*size=2"):
+        Qwen3MoeForCausalLM(config, SimpleNamespace(size=2, rank=0))

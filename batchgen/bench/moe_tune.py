@@ -2,7 +2,7 @@
 layer's shape against the default rule, check each winner against the reference, and print
 entries for TUNED in kernels/fused_moe_tiles.py.
 
-    python examples/benchmarks/tune_fused_moe.py --shape qwen3-30b-a3b --json tune.json
+    python -m batchgen.bench.moe_tune --shape qwen3-30b-a3b --json tune.json
 
 Each candidate runs the whole op (alignment, both grouped GEMMs, the top-k sum) in a CUDA graph,
 timed by CUDA events after an L2 flush (the weights stream from HBM as in a step), on routings
@@ -20,11 +20,11 @@ import itertools
 import json
 
 import torch
+
+from batchgen.bench.timing import graph_median_us
 from batchgen.kernels.fused_moe import fused_moe, fused_moe_ref
 from batchgen.kernels.fused_moe_tiles import GemmTile, MoeTiles, default_tiles
 from batchgen.kernels.moe_router import topk_softmax
-
-from batchgen.bench.timing import graph_median_us
 
 # (experts, top_k, hidden, expert intermediate) of the presets' sparse layers.
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}

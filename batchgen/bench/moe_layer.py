@@ -1,6 +1,6 @@
 """A MoE layer's MLP against a dense MLP of the same active size, on the GPU.
 
-    python examples/benchmarks/moe_layer_bench.py --preset qwen3-30b-a3b
+    python -m batchgen.bench.moe_layer --preset qwen3-30b-a3b
 
 The sparse block of the preset (router, top-k, fused experts; E experts of intermediate I,
 top-K) against a dense SiLU MLP of intermediate K x I, which runs the same parameters per token
@@ -17,10 +17,10 @@ import argparse
 import json
 
 import torch
-from batchgen.kernels import ops
 
 from batchgen.bench.random_model import preset_config
 from batchgen.bench.timing import graph_median_us
+from batchgen.kernels import ops
 from batchgen.layers.linear import linear
 from batchgen.layers.moe import ExpertCounter, SparseMoeBlock
 from batchgen.models.config import ModelConfig
