@@ -31,14 +31,16 @@ from __future__ import annotations
 import torch
 
 from .activation import silu_and_mul
-from .fused_moe_tiles import GemmTile, MoeTiles, tile_config
+from .fused_moe_tiles import TOKEN_BUCKETS, GemmTile, MoeTiles, tile_config
 from .launch import check_dtype, check_launchable, tl, triton
 from .moe_align import moe_align
 
 _SUM_BLOCK = 1024
 
 
-@triton.jit
+# Arguments that change with the token count are not specialized on: one compiled kernel per
+# tile configuration serves every batch (warm_up compiles them all before a run).
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _expert_gemm_kernel(
     a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     N, K, num_pairs, num_m_blocks, up_offset,
@@ -218,6 +220,27 @@ def _gemm(a, w, c, weights, layout, n_out, rows_per_token, silu, block_m, tile: 
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
+
+
+def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, weights_dtype: torch.dtype) -> int:
+    """Compile every tile configuration fused_moe picks for these weights, whatever the token
+    count: one call per distinct configuration on zero inputs (Triton compiles a kernel at its
+    first launch, which a step of a new size would otherwise pay mid-run). Returns the number
+    of configurations run."""
+    E, two_i, H = w13.shape
+    seen = set()
+    for bucket in TOKEN_BUCKETS:
+        dtype_name = str(w13.dtype).removeprefix("torch.")
+        tiles = tile_config(bucket, E, H, two_i // 2, top_k, dtype_name, w13.element_size())
+        if tiles in seen:
+            continue
+        seen.add(tiles)
+        hidden = w13.new_zeros(bucket, H)
+        # Pair p = t * K + k to expert p mod E: distinct experts within a token (K <= E).
+        ids = (torch.arange(bucket * top_k, device=w13.device) % E).view(bucket, top_k)
+        weights = torch.full((bucket, top_k), 1.0 / top_k, dtype=weights_dtype, device=w13.device)
+        fused_moe(hidden, w13, w2, weights, ids.to(torch.int32), tiles=tiles)
+    return len(seen)
 
 
 def fused_moe_ref(

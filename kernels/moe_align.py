@@ -31,7 +31,7 @@ def padded_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-rows // block_m) * block_m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])  # vary with the token count
 def _moe_align_kernel(
     topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, touched_ptr, slots_ptr,
     num_pairs, num_experts, top_k, num_blocks,

@@ -16,7 +16,7 @@ from .launch import check_dtype, check_launchable, pow2, tl, triton
 _BLOCK_T = 16  # tokens per program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one kernel for every token count
 def _topk_softmax_kernel(
     logits_ptr, weights_ptr, ids_ptr, T, E, stride_t,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,

@@ -27,6 +27,7 @@ __all__ = [
     "build_cos_sin_cache",
     "fused_add_rms_norm",
     "fused_moe",
+    "fused_moe_warm_up",
     "moe_route",
     "paged_attention",
     "paged_attention_decode",
@@ -291,3 +292,12 @@ def fused_moe(
     return _fused_moe.fused_moe(
         hidden, w13, w2, topk_weights, topk_ids, touched=touched, token_slots=token_slots
     )
+
+
+def fused_moe_warm_up(
+    w13: torch.Tensor, w2: torch.Tensor, top_k: int, weights_dtype: torch.dtype
+) -> None:
+    """Compile the fused MoE kernels for every token count ahead of a run (CUDA only; a no-op
+    where the torch reference runs)."""
+    if use_triton(w13):
+        _fused_moe.warm_up(w13, w2, top_k, weights_dtype)

@@ -79,6 +79,14 @@ class SparseMoeBlock(nn.Module):
         dtype = hidden.dtype if self.round_weights else torch.float32
         return ops.moe_route(logits, self.top_k, self.norm_topk_prob, dtype)
 
+    def warm_up(self) -> None:
+        """Compile this block's GPU kernels for every token count (router, alignment, GEMMs)
+        before a run; nothing is counted."""
+        hidden = self.gate.weight.new_zeros(1, self.gate.weight.shape[1])
+        weights, _ = self.route(hidden)
+        experts = self.experts
+        ops.fused_moe_warm_up(experts.gate_up_proj, experts.down_proj, self.top_k, weights.dtype)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] (normalised) -> the weighted sum of each token's experts [T, H]."""
         weights, ids = self.route(hidden)

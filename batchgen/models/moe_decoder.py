@@ -58,6 +58,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         # Built before the layers, which share it, on the device the model is being built on.
         self.expert_counter = ExpertCounter()
         super().__init__(config)
+        self.kernels_warm = False  # forward compiles the MoE kernels once, before any step
 
     def mlp_block(self, layer_idx: int) -> nn.Module:
         moe = self.config.moe
@@ -133,9 +134,22 @@ class MoeForCausalLM(LlamaForCausalLM):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
+        if not self.kernels_warm and input_ids.is_cuda:
+            self._warm_up_kernels()
         # The experts a step reads are counted over its real tokens: those with a KV slot.
         self.expert_counter.token_slots = ctx.slot_mapping
         return super().forward(input_ids, positions, ctx)
+
+    def _warm_up_kernels(self) -> None:
+        """Compile the fused MoE kernels of every token count at the first forward on the GPU
+        (the engine's memory profile), so that no step compiles one mid-run. Every sparse
+        layer has the same shapes: one layer's kernels serve all."""
+        if torch.cuda.is_current_stream_capturing():
+            return  # never inside a CUDA graph; the capture's un-captured run comes first
+        self.kernels_warm = True
+        blocks = self.sparse_blocks()
+        if blocks:
+            blocks[0].warm_up()
 
 
 class Qwen3MoeForCausalLM(MoeForCausalLM):

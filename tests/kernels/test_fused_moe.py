@@ -188,3 +188,30 @@ def test_fused_moe_in_a_cuda_graph_follows_the_routing():
             out.float(), fused_moe_ref(hidden, w13, w2, weights, ids).float(), atol=4e-2, rtol=4e-2
         )
         assert int(touched) == len(ids.unique())
+
+
+def _variants(kernel) -> int:
+    """Compiled variants of a Triton kernel on the current GPU (its in-memory cache)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps no device_caches")
+    return len(caches[torch.cuda.current_device()][0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(REAL))
+def test_warm_up_compiles_every_token_count(shape):
+    # After warm_up no batch size compiles a kernel (a compile mid-run costs about a second).
+    from batchgen.kernels import fused_moe as module
+    from batchgen.kernels import moe_align
+
+    E, K, H, I = REAL[shape]
+    _, w13, w2, _, _ = moe_inputs(1, E, K, H, I, torch.bfloat16, "cuda")
+    assert module.warm_up(w13, w2, K, torch.bfloat16) >= 2
+    kernels = (module._expert_gemm_kernel, module._moe_sum_kernel, moe_align._moe_align_kernel)
+    before = [_variants(k) for k in kernels]
+    for T in (1, 3, 17, 100, 255, 777, 1500, 5000, 9000):
+        args = moe_inputs(T, E, K, H, I, torch.bfloat16, "cuda", seed=T)
+        weights = args[3].to(torch.bfloat16)
+        fused_moe(*args[:3], weights, args[4])
+    assert [_variants(k) for k in kernels] == before
