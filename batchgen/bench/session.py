@@ -48,54 +48,24 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-@dataclass(frozen=True)
-class Roofline:
-    """What the roofline metrics of a run need: the model's shape, its experts (None: dense)
-    and the workload's ideal cost."""
-
-    shape: roofline.ModelShape
-    experts: moe_roofline.ExpertShape | None
-    cost: roofline.WorkloadCost
-
-
-def _roofline(mc: ModelConfig, model, itemsize: int, w: Workload) -> Roofline:
-    """itemsize: bytes of a weight and of a KV element (the runner's dtype)."""
-    shape = roofline.model_shape(mc, non_embedding_params(model), parameter_bytes(model), itemsize)
-    experts = moe_roofline.expert_shape(mc, itemsize)
-    if experts is None:
-        return Roofline(shape, None, roofline.workload_cost(shape, w))
-    return Roofline(shape, experts, moe_roofline.resident_cost(shape, experts, w))
-
-
 def _result(
     run: dict[str, Any],
     w: Workload,
-    roof: Roofline,
+    cost: roofline.WorkloadCost,
     ceilings: dict[str, Any],
     peak: int | None,
 ) -> dict[str, Any]:
     out = {**run, **hit_rates(run, w), "peak_gpu_memory_bytes": peak}
-    wall, output_tokens = run["wall_s"], run.get("output_tokens", 0)
-    copy_bw = ceilings["copy_tb_s"] * 1e12
     out.update(
         roofline.roofline_metrics(
-            roof.cost, wall, output_tokens, ceilings["matmul_tflops"] * 1e12, copy_bw
+            cost,
+            run["wall_s"],
+            run.get("output_tokens", 0),
+            ceilings["matmul_tflops"] * 1e12,
+            ceilings["copy_tb_s"] * 1e12,
         )
     )
-    if roof.experts is not None and run.get("experts_touched") is not None:
-        out.update(
-            moe_roofline.steps_taken_metrics(
-                roof.shape,
-                roof.experts,
-                w,
-                run["steps"],
-                run["experts_touched"],
-                wall,
-                output_tokens,
-                copy_bw,
-            )  # fmt: skip
-        )
-    out.setdefault("roofline_fraction_steps_taken", None)
+    out.setdefault("roofline_fraction_steps_taken", None)  # mixture-of-experts models only
     out.setdefault("experts_touched_per_layer_step", None)
     out.setdefault("preemptions", None)
     out.setdefault("steps", None)
@@ -126,8 +96,15 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
             f"GEMM tuning: cuBLASLt runs {tuning.tuned} of {tuning.shapes} projection shapes "
             f"({tuning.timed} timed now, {tuning.seconds:.1f} s)"
         )
-    roof = _roofline(mc, bench.runner.model, bench.runner.dtype.itemsize, w)
-    shape = roof.shape
+    model = bench.runner.model
+    shape = roofline.model_shape(
+        mc, non_embedding_params(model), parameter_bytes(model), bench.runner.dtype.itemsize
+    )
+    cost = roofline.workload_cost(shape, w)
+    experts = moe_roofline.expert_shape(mc, bench.runner.dtype.itemsize)
+    if experts is not None:  # a step reads the experts its tokens reach, FLOPs the active ones
+        cost = moe_roofline.resident_cost(shape, experts, w)
+    del model  # the peer frees our model; keep no reference here
     log(f"{w.name}: {w.num_requests} requests, {opts.repeat} timed run(s) ...")
     runs = _repeat_engine(bench, w, opts.repeat, opts.warmup)
     peak = peak_memory_bytes(device)
@@ -154,7 +131,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
             "non_embedding_parameters": shape.non_embedding_params,
             "weight_bytes": shape.weight_bytes,
             "kv_bytes_per_token": shape.kv_bytes_per_token,
-            "experts": dataclasses.asdict(roof.experts) if roof.experts else None,
+            "experts": dataclasses.asdict(experts) if experts is not None else None,
             "num_kv_blocks": bench.runner.num_kv_blocks,
             "max_model_len": max_len,
         },
@@ -167,28 +144,38 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         "gemm_tuning": dataclasses.asdict(tuning) if tuning is not None else None,
         "repeat": opts.repeat,
         "runs": runs,
-        "result": _result(median_run(runs), w, roof, ceilings, peak),
+        "result": _result(median_run(runs), w, cost, ceilings, peak),
         "prefix_caching_off": None,
         "pipeline": None,
         "peer": None,
     }
+    if experts is not None:
+        report["result"].update(_steps_taken(shape, experts, w, report["result"], ceilings))
     if w.name == "shared-prefix":
         log("shared-prefix: the same run with prefix caching off ...")
         off = _repeat_engine(bench, w, opts.repeat, opts.warmup, enable_prefix_caching=False)
-        off_result = _result(median_run(off), w, roof, ceilings, peak_memory_bytes(device))
+        off_result = _result(median_run(off), w, cost, ceilings, peak_memory_bytes(device))
         report["prefix_caching_off"] = {
             "runs": off,
             "result": off_result,
             "ratio": off_result["wall_s"] / report["result"]["wall_s"],
         }
     if w.name == "pipeline":
-        report["pipeline"] = _pipeline(bench, w, opts, roof, ceilings, report, log)
+        report["pipeline"] = _pipeline(bench, w, opts, cost, ceilings, report, log)
     if opts.peer == "hf":
-        report["peer"] = _peer(bench, w, opts, roof, ceilings, report, log)
+        report["peer"] = _peer(bench, w, opts, cost, ceilings, report, log)
     return report
 
 
-def _pipeline(bench, w, opts, roof, ceilings, report, log) -> dict[str, Any]:
+def _steps_taken(shape, experts, w, result, ceilings) -> dict[str, Any]:
+    """The MoE roofline over the steps our run took (moe_roofline.steps_taken_metrics)."""
+    return moe_roofline.steps_taken_metrics(
+        shape, experts, w, result["steps"], result["experts_touched"], result["wall_s"],
+        result.get("output_tokens", 0), ceilings["copy_tb_s"] * 1e12,
+    )  # fmt: skip
+
+
+def _pipeline(bench, w, opts, cost, ceilings, report, log) -> dict[str, Any]:
     from batchgen.bench.pipeline_bench import PipelineUnavailable, run_pipeline
 
     log(f"pipeline: Runner end to end over {w.num_requests} JSONL rows ...")
@@ -196,7 +183,7 @@ def _pipeline(bench, w, opts, roof, ceilings, report, log) -> dict[str, Any]:
         runs = [rates(run_pipeline(bench, w), w) for _ in range(opts.repeat)]
     except PipelineUnavailable as e:
         return {"error": str(e), "runs": [], "result": None, "overhead": None, "ratio": None}
-    result = _result(median_run(runs), w, roof, ceilings, peak_memory_bytes(bench.device))
+    result = _result(median_run(runs), w, cost, ceilings, peak_memory_bytes(bench.device))
     return {
         "entry_point": "batchgen.pipeline.runner.Runner(job).run()",
         "input": "OpenAI-batch JSONL, /v1/completions, token-id prompts",
@@ -207,7 +194,7 @@ def _pipeline(bench, w, opts, roof, ceilings, report, log) -> dict[str, Any]:
     }
 
 
-def _peer(bench, w, opts, roof, ceilings, report, log) -> dict[str, Any]:
+def _peer(bench, w, opts, cost, ceilings, report, log) -> dict[str, Any]:
     from batchgen.bench import peer_hf
     from batchgen.models.hf_export import to_hf_state_dict
 
@@ -239,6 +226,6 @@ def _peer(bench, w, opts, roof, ceilings, report, log) -> dict[str, Any]:
         log(f"peer hf unavailable: {e}")
         return block
     run = median_run(block["runs"])
-    block["result"] = _result(run, w, roof, ceilings, run.get("peak_gpu_memory_bytes"))
+    block["result"] = _result(run, w, cost, ceilings, run.get("peak_gpu_memory_bytes"))
     block["ratio"] = report["result"]["output_tok_s"] / block["result"]["output_tok_s"]
     return block
