@@ -55,15 +55,16 @@ def _fit_stages(tile: GemmTile, block_m: int, itemsize: int, operands_b: int) ->
 
 
 def default_tiles(num_tokens: int, num_experts: int, top_k: int) -> MoeTiles:
-    """Rule-of-thumb tiles from the average pairs an expert receives."""
+    """Rule-of-thumb tiles from the average pairs an expert receives: row blocks about twice
+    that (most experts then take one block, so their weights are read once), narrow column
+    tiles with long K steps while the GEMMs stream weights, wide ones with 8 warps past that.
+    The fused gate_up tile loads two weight tiles (gate and up), so it is half as wide."""
     per_expert = num_tokens * top_k / num_experts
-    if per_expert <= 16:
-        return MoeTiles(16, GemmTile(64, 128, 1, 4, 4), GemmTile(64, 128, 1, 4, 4))
-    if per_expert <= 64:
-        return MoeTiles(32, GemmTile(64, 64, 8, 4, 4), GemmTile(64, 64, 8, 4, 4))
-    if per_expert <= 256:
-        return MoeTiles(64, GemmTile(64, 64, 8, 4, 4), GemmTile(128, 64, 8, 8, 3))
-    return MoeTiles(128, GemmTile(64, 64, 8, 8, 3), GemmTile(128, 64, 8, 8, 3))
+    if per_expert <= 8:
+        return MoeTiles(16, GemmTile(64, 128, 1, 4, 4), GemmTile(128, 128, 1, 4, 3))
+    wide_up, wide_down = GemmTile(128, 64, 1, 8, 3), GemmTile(256, 64, 1, 8, 3)
+    block_m = 32 if per_expert <= 16 else 64 if per_expert <= 64 else 128
+    return MoeTiles(block_m, wide_up, wide_down)
 
 
 def tile_config(

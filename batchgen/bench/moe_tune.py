@@ -9,8 +9,8 @@ timed by CUDA events after an L2 flush (the weights stream from HBM as in a step
 of random logits (about uniform over the experts). The search: every BLOCK_M with the gate_up
 tile searched first (down at its default), then the down tile with the best gate_up, then
 SiLU-and-mul fused against the separate kernel. Row blocks past twice the pairs an expert
-gets on average are skipped (mostly padding). The first run compiles about 150 kernels
-(minutes); pass --tokens to tune a few buckets per call.
+gets on average are skipped (mostly padding). The first run compiles a few hundred kernels
+(several minutes); pass --tokens to tune a few buckets per call.
 """
 
 from __future__ import annotations
@@ -23,19 +23,20 @@ import torch
 
 from batchgen.bench.timing import graph_median_us
 from batchgen.kernels.fused_moe import fused_moe, fused_moe_ref
-from batchgen.kernels.fused_moe_tiles import GemmTile, MoeTiles, default_tiles
+from batchgen.kernels.fused_moe_tiles import TOKEN_BUCKETS, GemmTile, MoeTiles, default_tiles
 from batchgen.kernels.moe_router import topk_softmax
 
 # (experts, top_k, hidden, expert intermediate) of the presets' sparse layers.
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
-TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 1024, 2048, 4096)
+TOKENS = tuple(b for b in TOKEN_BUCKETS if b <= 4096)
 BLOCK_M = (16, 32, 64, 128)
-# Square-ish tiles of a compute-bound GEMM, and narrow ones with long K steps that stream the
-# weights at decode sizes: 18 per GEMM, compiled once per BLOCK_M (Triton caches them).
+# Column tiles 64-256 wide, K steps of 64 or 128, 4 or 8 warps, 3 or 4 stages, an expert's
+# row blocks side by side (GROUP_M 1): 24 per GEMM, compiled once per BLOCK_M (Triton caches
+# them); those that do not fit shared memory fail to build and are skipped.
 GEMM_TILES = [
-    GemmTile(n, k, 8, w, s)
-    for n, k, w, s in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))
-] + [GemmTile(32, 256, 1, 4, 3), GemmTile(64, 256, 1, 4, 2)]
+    GemmTile(n, k, 1, w, s)
+    for n, k, w, s in itertools.product((64, 128, 256), (64, 128), (4, 8), (3, 4))
+]
 
 
 def inputs(T: int, E: int, K: int, H: int, I: int, seed: int = 0):

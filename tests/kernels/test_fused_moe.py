@@ -121,9 +121,10 @@ def test_tile_choice():
     assert (
         token_bucket(1) == 1 and token_bucket(3) == 4 and token_bucket(10**6) == TOKEN_BUCKETS[-1]
     )
-    decode = default_tiles(256, 128, 8)  # 16 pairs per expert: weight-streaming tiles
-    assert decode.block_m == 16
-    assert default_tiles(4096, 8, 2).block_m == 128
+    # Row blocks about twice the pairs an expert gets on average (at least 16).
+    assert default_tiles(64, 128, 8).block_m == 16  # 4 pairs per expert
+    assert default_tiles(256, 128, 8).block_m == 32  # 16
+    assert default_tiles(4096, 8, 2).block_m == 128  # 1024
     # fp32 doubles the operands' bytes: fewer stages fit in shared memory.
     bf16 = tile_config(8, 128, 2048, 768, 8, "bfloat16", 2)
     fp32 = tile_config(8, 128, 2048, 768, 8, "float32", 4)
