@@ -6,18 +6,42 @@ import importlib.util
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import click
 
 from batchgen.job import JobError, load_job
-from batchgen.pipeline.signals import EX_TEMPFAIL, GracefulStop, StopFlag
+from batchgen.pipeline.exit_codes import (
+    EX_TEMPFAIL,
+    EXIT_ABORTED,
+    EXIT_BAD_JOB,
+    EXIT_OK,
+    EXIT_ROW_ERRORS,
+    describe_failure,
+)
+from batchgen.pipeline.signals import GracefulStop, StopFlag
 
-EXIT_OK, EXIT_ROW_ERRORS, EXIT_BAD_JOB = 0, 1, 2
 
-
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = EXIT_BAD_JOB) -> None:
     click.echo(f"error: {message}", err=True)
-    sys.exit(EXIT_BAD_JOB)
+    sys.exit(code)
+
+
+@contextmanager
+def _exit_codes() -> Iterator[None]:
+    """Every way a command can end becomes its exit code (pipeline/exit_codes.py) and one
+    clear line on stderr: a bad job 2, OS errors by errno (2 or 74), anything unforeseen 70
+    with its traceback in a crash report, a second Ctrl-C 130. Never a bare traceback."""
+    try:
+        yield
+    except JobError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted twice: stopped at once; committed shards are kept", EXIT_ABORTED)
+    except Exception as e:  # the last resort: the exception is what the message names
+        code, message = describe_failure(e)
+        _fail(message, code)
 
 
 def _default_shard() -> str | None:
@@ -82,37 +106,35 @@ def run(job_file, overrides, overwrite, strict, shard, progress) -> None:
     """Run JOB_FILE: generate for every input row and commit sharded output.
 
     Exit codes: 0 done (row errors are counted, not fatal), 1 row errors in this task's shards
-    with --strict, 2 bad job or usage, 75 interrupted by SIGTERM/SIGUSR1/SIGINT (run again to
-    resume).
+    with --strict, 2 bad job, model, input, usage or a permission error on a path, 70 internal
+    error (traceback in a crash report), 74 I/O error such as a full disk, 75 interrupted by
+    SIGTERM/SIGUSR1/SIGINT (run again to resume), 130 a second SIGINT.
     """
     # Stop signals are caught from here, before torch is imported (about a second), to the
     # command's end: a Slurm preemption while the run starts up exits 75 (requeue), not -15,
     # and one after the run has finished changes nothing.
     stop = StopFlag()
-    with GracefulStop(stop):
+    with GracefulStop(stop), _exit_codes():
         from batchgen.pipeline.runner import Runner
         from batchgen.pipeline.sharding import ShardSelector
 
-        try:
-            job = load_job(job_file, overrides)
-            selector = ShardSelector.parse(shard or _default_shard() or "0/1")
-            show = sys.stderr.isatty() if progress is None else progress
-            if stop.is_set():  # stopped while starting up: nothing was written yet
-                click.echo(
-                    f"interrupted by {stop.signal_name} before the run started; run the same "
-                    f"command again (exit {EX_TEMPFAIL})"
-                )
-                sys.exit(EX_TEMPFAIL)
-            result = Runner(
-                job,
-                shard=selector,
-                overwrite=overwrite,
-                progress=show,
-                log=lambda m: click.echo(m, err=True),
-                stop=stop,
-            ).run()
-        except JobError as e:
-            _fail(str(e))
+        job = load_job(job_file, overrides)
+        selector = ShardSelector.parse(shard or _default_shard() or "0/1")
+        show = sys.stderr.isatty() if progress is None else progress
+        if stop.is_set():  # stopped while starting up: nothing was written yet
+            click.echo(
+                f"interrupted by {stop.signal_name} before the run started; run the same "
+                f"command again (exit {EX_TEMPFAIL})"
+            )
+            sys.exit(EX_TEMPFAIL)
+        result = Runner(
+            job,
+            shard=selector,
+            overwrite=overwrite,
+            progress=show,
+            log=lambda m: click.echo(m, err=True),
+            stop=stop,
+        ).run()
         _report(result, job, selector, strict)
 
 
@@ -141,10 +163,8 @@ def validate(job_file, overrides) -> None:
     """Check JOB_FILE and every input row without a GPU: counts, token lengths, failing rows."""
     from batchgen.pipeline.validate import validate as run_validate
 
-    try:
+    with _exit_codes():
         report = run_validate(load_job(job_file, overrides))
-    except JobError as e:
-        _fail(str(e))
     click.echo(f"job {job_file}: ok")
     for line in report.lines():
         click.echo(line)

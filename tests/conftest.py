@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny HF-format models written once per test session by `make_model`."""
+"""Shared fixtures: tiny HF-format models written once per test session by `make_model`, and a
+cache directory of the test session's own."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _private_cache_dir(tmp_path_factory, monkeypatch):
+    # Digests, GEMM tunings and crash reports of tests go to a directory of the test session,
+    # never the user's ~/.cache/batchgen (a test that needs its own sets the variable again).
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
 
 
 @pytest.fixture(scope="session")

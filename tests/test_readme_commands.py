@@ -8,7 +8,6 @@ import shlex
 import shutil
 from pathlib import Path
 
-import polars as pl
 import pytest
 import torch
 from click.testing import CliRunner
@@ -66,6 +65,8 @@ class Workspace:
         for name, rows in KEEP_ROWS.items():
             source = ROOT / "examples" / "data" / name
             if name.endswith(".parquet"):
+                import polars as pl  # here, not at the top: `pytest -m gpu` collects without it
+
                 pl.read_parquet(source).head(rows).write_parquet(data / name)
             else:
                 lines = source.read_text(encoding="utf-8").splitlines(keepends=True)

@@ -18,6 +18,7 @@ from batchgen.job.placeholders import placeholders
 from batchgen.job.score import score_spec
 from batchgen.job.spec import (
     COMPRESSIONS,
+    DEFAULT_MAX_ROW_BYTES,
     INPUT_FORMATS,
     MODES,
     OUTPUT_FORMATS,
@@ -156,17 +157,20 @@ def _model_spec(raw: dict) -> ModelSpec:
 
 
 def _input_spec(raw: dict) -> InputSpec:
-    sec = section(raw, "input", ["path", "format", "id_column", "columns"])
+    sec = section(raw, "input", ["path", "format", "id_column", "columns", "max_row_bytes"])
     path = check_path("input.path", get(sec, "input", "path", "str"))
     fmt = get(sec, "input", "format", "str", "auto", INPUT_FORMATS)
     id_column = get(sec, "input", "id_column", "str", "id")
+    max_row_bytes = get(sec, "input", "max_row_bytes", "int", DEFAULT_MAX_ROW_BYTES)
+    if max_row_bytes < 1:
+        raise JobError(f"input.max_row_bytes: {max_row_bytes} must be >= 1")
     columns = sec.get("columns") or []
     if isinstance(columns, str) or not isinstance(columns, list):
         raise JobError(f"input.columns: expected a list of column names, got {short_repr(columns)}")
     for i, c in enumerate(columns):
         if not isinstance(c, str) or not c:
             raise JobError(f"input.columns[{i}]: expected a column name, got {short_repr(c)}")
-    return InputSpec(path, fmt, id_column, tuple(columns))
+    return InputSpec(path, fmt, id_column, tuple(columns), max_row_bytes)
 
 
 def _prompt_spec(raw: dict, inp: InputSpec) -> PromptSpec:

@@ -27,12 +27,20 @@ class ModelSpec:
         return EngineConfig(model=self.path, dtype=self.dtype, **dict(self.options))
 
 
+# A row larger than this becomes a row_too_large error record before it is parsed or
+# tokenized: tokenizing costs about 170 bytes of memory per character, so a 4 MiB row peaks
+# near 0.7 GB, and a 100 MB row would take the run down.
+DEFAULT_MAX_ROW_BYTES = 4 << 20
+
+
 @dataclass(frozen=True)
 class InputSpec:
     path: str
     format: str = "auto"
     id_column: str = "id"
     columns: tuple[str, ...] = ()  # passed through to the output unchanged
+    # JSONL: the line's length; Parquet: the bytes of the text columns the job reads.
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.bench.timing import graph_median_us
+from batchgen.cache_dir import user_cache_dir
 from batchgen.io.atomic import write_bytes
 from batchgen.layers import linear
 
@@ -85,11 +86,7 @@ class TuneReport:
 
 
 def cache_path() -> str:
-    root = os.environ.get("BATCHGEN_CACHE_DIR")
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(xdg, "batchgen")
-    return os.path.join(root, CACHE_NAME)
+    return os.path.join(user_cache_dir(), CACHE_NAME)
 
 
 def _load_cache(path: str) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from batchgen.models.checkpoint_check import check_checkpoint
 from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
 from batchgen.models.registry import model_class
-from batchgen.models.weights import find_weight_files, iter_tensors
+from batchgen.models.weight_files import find_weight_files
+from batchgen.models.weights import iter_tensors
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -49,6 +51,8 @@ def load_model(
         ModelLoadError: naming the file or tensor at fault and what was expected.
     """
     config = ModelConfig.from_dir(path)
+    # The weights' headers against the config before the model it describes is allocated.
+    check_checkpoint(path, config, allow_pickle)
     device = torch.device(device)
     model = build_model(config, resolve_dtype(dtype, config, device), device)
     files = find_weight_files(path, allow_pickle)

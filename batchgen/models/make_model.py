@@ -8,8 +8,9 @@ import os
 import torch
 from safetensors.torch import save_file
 
+from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
-from batchgen.models.moe_config import MoeConfig, moe_config
+from batchgen.models.moe_config import CHECKPOINT_NAMES, MoeConfig
 from batchgen.models.presets import TINY_PRESETS
 from batchgen.models.tiny_tokenizer import BOS, CHAT_TEMPLATE, EOS, train_tokenizer
 
@@ -83,7 +84,7 @@ def _random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
 
     arch = config["architectures"][0]
     qkv_bias = arch == "Qwen2ForCausalLM" or config.get("attention_bias")
-    moe = moe_config(config, arch, config["num_hidden_layers"], "preset")
+    moe = ModelConfig.from_dict(config, source="preset").moe
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(vocab, h, std=0.5)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -120,9 +121,8 @@ def _expert_weights(config: dict, prefix: str, moe: MoeConfig, normal) -> dict[s
     mlp.experts.{e}.gate_proj / up_proj / down_proj, Mixtral's block_sparse_moe.experts.{e}.w1
     (gate) / w3 (up) / w2 (down). A router std of 1 keeps the top-k choices decisive."""
     h, inter = config["hidden_size"], moe.intermediate_size
-    mixtral = config["architectures"][0] == "MixtralForCausalLM"
-    block = prefix + ("block_sparse_moe." if mixtral else "mlp.")
-    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    block, (gate, up, down) = CHECKPOINT_NAMES[config["architectures"][0]]
+    block = f"{prefix}{block}."
     out = {block + "gate.weight": normal(moe.num_experts, h, std=1.0)}
     for e in range(moe.num_experts):
         out[f"{block}experts.{e}.{gate}.weight"] = normal(inter, h)

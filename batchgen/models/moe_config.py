@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from batchgen.models.errors import ModelLoadError
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# Each architecture's checkpoint names: the sparse block, and each expert's gate, up and down
+# projections (Mixtral's w1 is the gate, w3 the up projection).
+CHECKPOINT_NAMES = {
+    "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
+MOE_ARCHITECTURES = tuple(CHECKPOINT_NAMES)
 
 
 @dataclass(frozen=True)
@@ -38,45 +45,58 @@ class MoeConfig:
         return sum(self.sparse_layers)
 
 
-def moe_config(raw: dict[str, Any], arch: str, num_layers: int, source: str) -> MoeConfig | None:
+def moe_config(
+    raw: dict[str, Any], arch: str, num_layers: int, source: str, size: Callable[..., int]
+) -> MoeConfig | None:
     """The MoeConfig of a config.json dict, None for dense architectures.
 
     Qwen3-MoE layer i is sparse when i is not in mlp_only_layers and (i + 1) is a multiple of
     decoder_sparse_step, as transformers' Qwen3MoeDecoderLayer decides.
+
+    Args:
+        size: size(key, default=None) -> raw[key] as a bounded positive int (config.py's
+            check), ModelLoadError naming source and key otherwise.
 
     Raises:
         ModelLoadError: a missing or out-of-range key, named with `source`.
     """
     if arch not in MOE_ARCHITECTURES:
         return None
-
-    def need(*keys: str) -> Any:
-        for key in keys:
-            if raw.get(key) is not None:
-                return raw[key]
-        raise ModelLoadError(f"{source}: missing required key {keys[0]!r} for {arch}")
-
     # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (an attribute alias).
-    num_experts = int(need("num_experts", "num_local_experts"))
-    top_k = int(need("num_experts_per_tok"))
+    experts_key = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
+    num_experts = size(experts_key)
+    top_k = size("num_experts_per_tok")
     if arch == "MixtralForCausalLM":
-        inter = int(need("intermediate_size"))
+        inter = size("intermediate_size")
         sparse = (True,) * num_layers
         norm, round_weights = True, False
     else:
-        inter = int(need("moe_intermediate_size"))
-        step = int(raw.get("decoder_sparse_step") or 1)
+        inter = size("moe_intermediate_size")
+        step = size("decoder_sparse_step", 1)
         dense = raw.get("mlp_only_layers") or []
         if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
             raise ModelLoadError(f"{source}: mlp_only_layers must be a list of layer indices")
-        sparse = tuple(
-            i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
-        )
+        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
         norm, round_weights = bool(raw.get("norm_topk_prob", False)), True
-    if not 1 <= top_k <= num_experts:
+    if top_k > num_experts:
         raise ModelLoadError(
-            f"{source}: num_experts_per_tok={top_k} must be between 1 and the {num_experts} experts"
+            f"{source}: num_experts_per_tok={top_k} must be at most the {num_experts} experts"
         )
-    if inter <= 0:
-        raise ModelLoadError(f"{source}: the experts' intermediate size must be positive")
     return MoeConfig(num_experts, top_k, inter, norm, round_weights, sparse)
+
+
+def expert_tensor_shapes(
+    arch: str, layer: int, hidden: int, moe: MoeConfig
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{checkpoint tensor name: (shape, the config keys that size it)} of sparse layer `layer`:
+    its router and every expert's gate, up and down projections, under the Hub's names."""
+    block, (gate, up, down) = CHECKPOINT_NAMES[arch]
+    p = f"model.layers.{layer}.{block}."
+    e, i = moe.num_experts, moe.intermediate_size
+    inter = "intermediate_size" if arch == "MixtralForCausalLM" else "moe_intermediate_size"
+    out = {p + "gate.weight": ((e, hidden), "num_experts, hidden_size")}
+    for x in range(e):
+        out[f"{p}experts.{x}.{gate}.weight"] = ((i, hidden), f"{inter}, hidden_size")
+        out[f"{p}experts.{x}.{up}.weight"] = ((i, hidden), f"{inter}, hidden_size")
+        out[f"{p}experts.{x}.{down}.weight"] = ((hidden, i), f"hidden_size, {inter}")
+    return out

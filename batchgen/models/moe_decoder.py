@@ -9,9 +9,10 @@ Checkpoints store each expert's projections as separate tensors (Qwen3-MoE:
 `mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`; Mixtral:
 `block_sparse_moe.experts.{e}.w1/w3/w2.weight`, w1 the gate and w3 the up projection); the
 loader writes each into expert e's slice of the stacked parameters (checkpoint_name and
-param_shard_sizes below). Parameter names are transformers 5's in-memory ones
-(`mlp.gate.weight`, `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`), so
-to_hf_state_dict hands transformers our weights as they are.
+param_shard_sizes below; the names per architecture in moe_config.CHECKPOINT_NAMES).
+Parameter names are transformers 5's in-memory ones (`mlp.gate.weight`,
+`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`), so to_hf_state_dict hands transformers
+our weights as they are.
 
 RMSNorm weights are not folded into the projections here (can_fold_norms): the router and
 the experts would both need the row scale.
@@ -29,6 +30,7 @@ from batchgen.layers.moe import ExpertCounter, SparseMoeBlock
 from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
 from batchgen.models.llama import LlamaForCausalLM
+from batchgen.models.moe_config import CHECKPOINT_NAMES
 
 # model.layers.{i}.{block}.experts.{e}.{projection}.weight
 _EXPERT_TENSOR = re.compile(r"^(model\.layers\.\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.weight$")
@@ -40,11 +42,6 @@ class MoeForCausalLM(LlamaForCausalLM):
     `expert_counter` counts the experts every forward's real tokens reach (for the benchmark's
     roofline; a device counter, see ExpertCounter).
     """
-
-    # The checkpoint's name of the sparse block, and of each expert's gate, up and down
-    # projections.
-    checkpoint_block = "mlp"
-    checkpoint_experts = ("gate_proj", "up_proj", "down_proj")
 
     def __init__(self, config: ModelConfig, tp=None) -> None:
         if config.moe is None:
@@ -84,14 +81,13 @@ class MoeForCausalLM(LlamaForCausalLM):
         its down projection shard e of experts.down_proj ([E * H, I]); a renamed block's router
         goes to mlp.gate. None: the loader's default mapping (and its error for unknown names).
         """
-        block = self.checkpoint_block
+        block, (gate, up, down) = CHECKPOINT_NAMES[self.config.architecture]
         match = _EXPERT_TENSOR.match(hf_name)
         if match is None:
             if block != "mlp" and f".{block}." in hf_name:
                 return hf_name.replace(f".{block}.", ".mlp."), None
             return None
         layer, found, expert, projection = match.groups()
-        gate, up, down = self.checkpoint_experts
         e = int(expert)
         if found != block or projection not in (gate, up, down) or e >= self.config.moe.num_experts:
             return None  # not ours: reported as unexpected
@@ -158,6 +154,3 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
 
 class MixtralForCausalLM(MoeForCausalLM):
     """Mixtral (8x7B, 8x22B): Mistral attention, 8 experts, top-2, w1/w3/w2 expert names."""
-
-    checkpoint_block = "block_sparse_moe"
-    checkpoint_experts = ("w1", "w3", "w2")

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from batchgen.models.config import read_json_object
 from batchgen.models.errors import ModelLoadError
 
 
@@ -62,11 +62,7 @@ class Tokenizer:
         config: dict = {}
         config_path = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(config_path):
-            try:
-                with open(config_path, encoding="utf-8") as f:
-                    config = json.load(f)
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ModelLoadError(f"{config_path}: not valid JSON ({e})") from e
+            config = read_json_object(config_path)
         jinja_path = os.path.join(path, "chat_template.jinja")
         if "chat_template" not in config and os.path.isfile(jinja_path):
             with open(jinja_path, encoding="utf-8") as f:

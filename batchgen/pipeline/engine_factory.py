@@ -67,12 +67,19 @@ def build_tokenizer(job: JobSpec) -> TokenizerLike:
 
 
 def model_limits(job: JobSpec) -> ModelLimits:
-    """The limits the engine will check requests against, from config.json (no weights)."""
+    """The limits the engine will check requests against, from config.json, once config.json
+    is checked against the weight files' headers (no weights are read). A directory without
+    weight files (config and tokenizer copied to validate a job elsewhere) skips that
+    comparison; a run on it fails when the model loads, before anything is allocated."""
+    from batchgen.models.checkpoint_check import check_checkpoint
     from batchgen.models.config import ModelConfig
     from batchgen.models.errors import ModelLoadError
+    from batchgen.models.weight_files import has_weight_files
 
     try:
         mc = ModelConfig.from_dir(job.model.path)
+        if has_weight_files(job.model.path):
+            check_checkpoint(job.model.path, mc, job.model.engine_config().allow_pickle)
     except ModelLoadError as e:
         raise JobError(f"model.path: {e}") from None
     configured = job.model.engine_config().max_model_len

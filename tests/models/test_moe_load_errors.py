@@ -7,11 +7,14 @@ import os
 import shutil
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
-from batchgen.models.loader import load_model
+from batchgen.models.loader import build_model, load_model, load_weights
+from batchgen.models.weight_files import find_weight_files
+from batchgen.models.weights import iter_tensors
 
 
 def _copy_with(src: str, dst: str, edit_tensors=None, edit_config=None) -> str:
@@ -36,20 +39,30 @@ def test_missing_expert_tensor_is_named(tiny_model_dir, tmp_path):
         del t["model.layers.0.mlp.experts.5.up_proj.weight"]
 
     path = _copy_with(tiny_model_dir("qwen3_moe"), tmp_path / "m", drop)
-    # Expert 5's up rows are shard 2 * 5 + 1 of the stacked gate_up_proj.
-    with pytest.raises(ModelLoadError, match=r"missing 1 tensor.*mlp\.experts\.gate_up_proj\[11\]"):
+    # The headers are checked against config.json before the model is built.
+    with pytest.raises(ModelLoadError, match=r"missing 1 tensor.*experts\.5\.up_proj\.weight"):
         load_model(str(path))
+    # The loader's own count: expert 5's up rows are shard 2 * 5 + 1 of gate_up_proj.
+    config = ModelConfig.from_dir(str(path))
+    model = build_model(config, torch.float32, torch.device("cpu"))
+    tensors = iter_tensors(find_weight_files(str(path)))
+    with pytest.raises(ModelLoadError, match=r"missing 1 tensor.*experts\.gate_up_proj\[11\]"):
+        load_weights(model, tensors)
 
 
-def test_expert_beyond_num_experts_is_unexpected(tiny_model_dir, tmp_path):
+def test_expert_beyond_num_experts_is_named(tiny_model_dir, tmp_path):
+    name = "model.layers.0.block_sparse_moe.experts.4.w1.weight"  # 4 experts: 0..3
+
     def add(t):
-        t["model.layers.0.block_sparse_moe.experts.4.w1.weight"] = t[
-            "model.layers.0.block_sparse_moe.experts.0.w1.weight"
-        ].clone()
+        t[name] = t["model.layers.0.block_sparse_moe.experts.0.w1.weight"].clone()
 
-    path = _copy_with(tiny_model_dir("mixtral"), tmp_path / "m", add)  # 4 experts: 0..3
-    with pytest.raises(ModelLoadError, match=r"does not use: .*experts\.4\.w1\.weight"):
+    path = _copy_with(tiny_model_dir("mixtral"), tmp_path / "m", add)
+    with pytest.raises(ModelLoadError, match=r"does not\s+describe.*experts\.4\.w1\.weight"):
         load_model(str(path))
+    config = ModelConfig.from_dir(str(path))
+    model = build_model(config, torch.float32, torch.device("cpu"))
+    with pytest.raises(ModelLoadError, match=r"does not use: .*experts\.4\.w1\.weight"):
+        load_weights(model, iter_tensors(find_weight_files(str(path))))
 
 
 def test_wrong_expert_shape_names_the_tensor(tiny_model_dir, tmp_path):
@@ -58,7 +71,9 @@ def test_wrong_expert_shape_names_the_tensor(tiny_model_dir, tmp_path):
         t[name] = t[name][:, :-1].contiguous()
 
     path = _copy_with(tiny_model_dir("mixtral"), tmp_path / "m", shrink)
-    with pytest.raises(ModelLoadError, match=r"experts\.2\.w2\.weight.*has shape"):
+    with pytest.raises(
+        ModelLoadError, match=r"experts\.2\.w2\.weight.*has shape.*intermediate_size=176"
+    ):
         load_model(str(path))
 
 
@@ -96,3 +111,13 @@ def test_tensor_parallel_is_refused_by_name(tiny_model_dir):
     config = ModelConfig.from_dir(tiny_model_dir("qwen3_moe"))
     with pytest.raises(ModelLoadError, match="tensor parallel is not supported.*size=2"):
         Qwen3MoeForCausalLM(config, SimpleNamespace(size=2, rank=0))
+
+
+def test_wrong_router_shape_names_the_experts_key(tiny_model_dir, tmp_path):
+    def widen(t):
+        name = "model.layers.0.mlp.gate.weight"
+        t[name] = torch.cat([t[name], t[name][:1]])  # 9 rows for 8 experts
+
+    path = _copy_with(tiny_model_dir("qwen3_moe"), tmp_path / "m", widen)
+    with pytest.raises(ModelLoadError, match=r"mlp\.gate\.weight.*\(9, 64\).*num_experts=8"):
+        load_model(str(path))
