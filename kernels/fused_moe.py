@@ -224,10 +224,11 @@ def _gemm(a, w, c, weights, layout, n_out, rows_per_token, silu, block_m, tile: 
 
 def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, weights_dtype: torch.dtype) -> int:
     """Compile every tile configuration fused_moe picks for these weights, whatever the token
-    count: one call per distinct configuration on zero inputs (Triton compiles a kernel at its
-    first launch, which a step of a new size would otherwise pay mid-run). Returns the number
-    of configurations run."""
+    count: calls on zero inputs for each distinct configuration, without and with the
+    expert-use counter (Triton compiles a kernel at its first launch, which a step of a new
+    size would otherwise pay mid-run). Returns the number of configurations run."""
     E, two_i, H = w13.shape
+    scratch = torch.zeros(1, dtype=torch.int64, device=w13.device)  # a counter nobody reads
     seen = set()
     for bucket in TOKEN_BUCKETS:
         dtype_name = str(w13.dtype).removeprefix("torch.")
@@ -239,7 +240,9 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, weights_dtype: torc
         # Pair p = t * K + k to expert p mod E: distinct experts within a token (K <= E).
         ids = (torch.arange(bucket * top_k, device=w13.device) % E).view(bucket, top_k)
         weights = torch.full((bucket, top_k), 1.0 / top_k, dtype=weights_dtype, device=w13.device)
-        fused_moe(hidden, w13, w2, weights, ids.to(torch.int32), tiles=tiles)
+        slots = torch.zeros(bucket, dtype=torch.int64, device=w13.device)
+        for touched, token_slots in ((None, None), (scratch, None), (scratch, slots)):
+            fused_moe(hidden, w13, w2, weights, ids.to(torch.int32), tiles, touched, token_slots)
     return len(seen)
 
 

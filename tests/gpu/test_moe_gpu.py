@@ -111,7 +111,8 @@ def test_qwen3_30b_a3b_layers_bf16_logits_match_transformers():
     del model
     torch.cuda.empty_cache()
     hf_config = transformers.Qwen3MoeConfig(
-        **{k: v for k, v in preset.items() if k not in ("torch_dtype", "architectures")}
+        **{k: v for k, v in preset.items() if k not in ("torch_dtype", "architectures")},
+        experts_implementation="eager",  # transformers' loop over experts
     )
     with torch.device(device):
         hf = transformers.Qwen3MoeForCausalLM(hf_config).float().eval()

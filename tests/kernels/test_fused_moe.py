@@ -211,8 +211,11 @@ def test_warm_up_compiles_every_token_count(shape):
     assert module.warm_up(w13, w2, K, torch.bfloat16) >= 2
     kernels = (module._expert_gemm_kernel, module._moe_sum_kernel, moe_align._moe_align_kernel)
     before = [_variants(k) for k in kernels]
-    for T in (1, 3, 17, 100, 255, 777, 1500, 5000, 9000):
+    touched = torch.zeros(1, dtype=torch.int64, device="cuda")
+    for i, T in enumerate((1, 3, 17, 100, 255, 777, 1500, 5000, 9000)):
         args = moe_inputs(T, E, K, H, I, torch.bfloat16, "cuda", seed=T)
         weights = args[3].to(torch.bfloat16)
-        fused_moe(*args[:3], weights, args[4])
+        slots = torch.arange(T, device="cuda") if i % 3 == 2 else None
+        counting = dict(touched=touched, token_slots=slots) if i % 3 else {}
+        fused_moe(*args[:3], weights, args[4], **counting)  # as the model calls it
     assert [_variants(k) for k in kernels] == before
