@@ -68,7 +68,20 @@ def _default_shard() -> str | None:
     return f"{offset // step}/{n}"
 
 
+def _version() -> str:
+    """The installed distribution's version (a plain checkout on PYTHONPATH: the package's)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("batchgen")
+    except PackageNotFoundError:
+        from batchgen import __version__
+
+        return __version__
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(version=_version(), prog_name="batchgen", message="%(prog)s %(version)s")
 def main() -> None:
     """batchgen: offline batch LLM generation; jobs in, sharded resumable Parquet out."""
 
@@ -82,18 +95,15 @@ _set_option = click.option(
 )
 
 
-@main.command()
-@click.argument("job_file", type=click.Path(dir_okay=False))
-@_set_option
-@click.option(
-    "--overwrite", is_flag=True, help="Discard outputs of a different job in output.path."
+_overwrite_option = click.option(
+    "--overwrite", is_flag=True, help="Discard outputs of a different job in the output path."
 )
-@click.option(
+_strict_option = click.option(
     "--strict",
     is_flag=True,
     help="Exit 1 if any row of this task's shards ended as an error record.",
 )
-@click.option(
+_shard_option = click.option(
     "--shard",
     "shard",
     metavar="I/N",
@@ -101,7 +111,18 @@ _set_option = click.option(
     help="Process only shards k with k % N == I (default: from SLURM_ARRAY_TASK_ID/"
     "SLURM_ARRAY_TASK_COUNT, else all).",
 )
-@click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a tty).")
+_progress_option = click.option(
+    "--progress/--no-progress", default=None, help="Progress bar (default: on a tty)."
+)
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+@_overwrite_option
+@_strict_option
+@_shard_option
+@_progress_option
 def run(job_file, overrides, overwrite, strict, shard, progress) -> None:
     """Run JOB_FILE: generate for every input row and commit sharded output.
 
@@ -110,6 +131,12 @@ def run(job_file, overrides, overwrite, strict, shard, progress) -> None:
     error (traceback in a crash report), 74 I/O error such as a full disk, 75 interrupted by
     SIGTERM/SIGUSR1/SIGINT (run again to resume), 130 a second SIGINT.
     """
+    _run_job(lambda: load_job(job_file, overrides), shard, overwrite, strict, progress)
+
+
+def _run_job(make_job, shard, overwrite, strict, progress, finish=None) -> None:
+    """Build the job with `make_job()`, run this task's shards, report and exit; `finish(job,
+    result)` runs once the whole job is complete (before the report)."""
     # Stop signals are caught from here, before torch is imported (about a second), to the
     # command's end: a Slurm preemption while the run starts up exits 75 (requeue), not -15,
     # and one after the run has finished changes nothing.
@@ -118,7 +145,7 @@ def run(job_file, overrides, overwrite, strict, shard, progress) -> None:
         from batchgen.pipeline.runner import Runner
         from batchgen.pipeline.sharding import ShardSelector
 
-        job = load_job(job_file, overrides)
+        job = make_job()
         selector = ShardSelector.parse(shard or _default_shard() or "0/1")
         show = sys.stderr.isatty() if progress is None else progress
         if stop.is_set():  # stopped while starting up: nothing was written yet
@@ -135,17 +162,20 @@ def run(job_file, overrides, overwrite, strict, shard, progress) -> None:
             log=lambda m: click.echo(m, err=True),
             stop=stop,
         ).run()
-        _report(result, job, selector, strict)
+        extra = finish(job, result) if finish is not None and result.complete else []
+        _report(result, job, selector, strict, extra)
 
 
-def _report(result, job, selector, strict: bool) -> None:
-    """Print a finished or stopped run's summary and exit with its code."""
+def _report(result, job, selector, strict: bool, extra: list[str] = ()) -> None:
+    """Print a finished or stopped run's summary (then `extra` lines) and exit with its code."""
     for line in result.lines:
         click.echo(line)
     if result.exit_code == EX_TEMPFAIL:
         sys.exit(EX_TEMPFAIL)
     if result.complete:
         click.echo(f"done: {job.output.path}/_SUCCESS written")
+    for line in extra:
+        click.echo(line)
     # The task's own rows: another task's errors are that task's to report (and exit 1 on).
     errors = result.task_totals["errors"]
     if errors:
@@ -154,6 +184,73 @@ def _report(result, job, selector, strict: bool) -> None:
             "(see columns error, error_code)"
         )
     sys.exit(EXIT_ROW_ERRORS if strict and errors else EXIT_OK)
+
+
+@main.command("run-batch")
+@click.option("-i", "--input-file", required=True, help="OpenAI batch file (or Parquet/JSONL).")
+@click.option("-o", "--output-file", required=True, help="The one file to write when done.")
+@click.option("--model", required=True, help="Model directory or hub repo id (ORG/NAME).")
+@click.option("--revision", default=None, help="Branch, tag or commit of a hub repo id.")
+@click.option(
+    "--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default=None
+)
+@click.option("--max-model-len", type=int, default=None, help="Longest prompt + output.")
+@click.option(
+    "--prompt-template",
+    default=None,
+    help="Prompt from a Parquet/JSONL row's columns, e.g. 'Summarize: {text}'.",
+)
+@click.option("--prompt-column", default=None, help="Use this column as the prompt as it is.")
+@click.option("--chat", is_flag=True, help="Send the prompt as a user message (chat template).")
+@_set_option
+@_overwrite_option
+@_strict_option
+@_shard_option
+@_progress_option
+def run_batch(
+    input_file,
+    output_file,
+    model,
+    revision,
+    dtype,
+    max_model_len,
+    prompt_template,
+    prompt_column,
+    chat,
+    overrides,
+    overwrite,
+    strict,
+    shard,
+    progress,
+) -> None:
+    """Run an OpenAI batch file (or Parquet/JSONL with --prompt-template) into OUTPUT_FILE.
+
+    Resumable: state lives in OUTPUT_FILE.parts/ (a sharded output directory; run the same
+    command again to resume). When every shard is done, OUTPUT_FILE is written in input order
+    (OpenAI batch output lines, or Parquet for *.parquet), request errors also into
+    OUTPUT_FILE's .errors.jsonl. Exit codes as for `batchgen run`.
+    """
+    from batchgen.pipeline.run_batch import BatchArgs, assemble, build_job
+
+    args = BatchArgs(
+        input_file,
+        output_file,
+        model,
+        revision,
+        dtype,
+        max_model_len,
+        prompt_template,
+        prompt_column,
+        chat,
+        tuple(overrides),
+    )
+
+    def finish(job, result) -> list[str]:
+        errors, errors_file = assemble(job, output_file, result.num_shards)
+        also = f"; {errors} request error(s) also in {errors_file}" if errors_file else ""
+        return [f"wrote {output_file}{also}"]
+
+    _run_job(lambda: build_job(args), shard, overwrite, strict, progress, finish)
 
 
 @main.command()

@@ -8,6 +8,8 @@ import click
 
 from batchgen.bench.workloads import WORKLOADS
 from batchgen.config import ConfigError, EngineConfig
+from batchgen.models.errors import ModelLoadError
+from batchgen.models.hub import resolve_model
 from batchgen.models.presets import PRESET_NAMES
 
 
@@ -21,7 +23,13 @@ from batchgen.models.presets import PRESET_NAMES
     show_default=True,
     help="Random-weight model in this architecture, built on the device (no disk).",
 )
-@click.option("--model", "model_path", default=None, help="A HF model directory instead.")
+@click.option(
+    "--model",
+    "model_path",
+    default=None,
+    help="A HF model directory or hub repo id (ORG/NAME) instead.",
+)
+@click.option("--revision", default=None, help="Branch, tag or commit of a hub repo id.")
 @click.option("--peer", type=click.Choice(["hf"]), default=None, help="Also run this peer.")
 @click.option("--repeat", default=1, show_default=True, help="Timed runs; the median is quoted.")
 @click.option("--peer-repeat", default=1, show_default=True, help="Timed runs of the peer.")
@@ -102,6 +110,13 @@ def bench(**kw) -> None:
         "cpu_kv_cache_gb",
     )
     options = {k: kw[k] for k in engine_keys if kw[k] is not None}
+    if kw["model_path"] is not None:
+        try:
+            kw["model_path"] = resolve_model(kw["model_path"], kw["revision"])
+        except ModelLoadError as e:
+            raise click.BadParameter(str(e), param_hint="--model") from None
+    elif kw["revision"] is not None:
+        raise click.BadParameter("needs --model (a hub repo id)", param_hint="--revision")
     try:
         engine = EngineConfig(
             model=kw["model_path"] or "<random preset>",

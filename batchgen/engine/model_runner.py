@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.config import ConfigError, EngineConfig
+from batchgen.cpu_threads import cpu_threads_to_set
 from batchgen.engine.cuda_graph import DecodeGraphs, bucket_sizes
 from batchgen.engine.host_to_device import PinnedStager
 from batchgen.engine.mixed_graph import MixedGraphs, mixed_bucket_sizes
@@ -64,6 +65,12 @@ class ModelRunner:
 
     def _init(self, max_model_len: int) -> None:
         self.dtype = next(self.model.parameters()).dtype
+        if self.device.type == "cpu":
+            # torch's pool defaults to every CPU of the affinity mask, ignoring Slurm's
+            # allocation and the cgroup quota (batchgen/cpu_threads.py says why that matters).
+            threads = cpu_threads_to_set(self.config.cpu_threads)
+            if threads is not None:
+                torch.set_num_threads(threads)
         # Before anything runs the model: graphs and the memory profile see the folded form.
         if self.config.fold_norms:
             self.model.fold_norms_()  # a no-op for models it cannot fold (model.norms_folded)

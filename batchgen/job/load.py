@@ -138,17 +138,24 @@ def validate_job(raw: dict, source: str = "<job>") -> JobSpec:
 
 def _model_spec(raw: dict) -> ModelSpec:
     engine_fields = {f.name: f.type for f in fields(EngineConfig)}
-    known = ["path", "dtype"] + [n for n in EngineConfig.option_names() if n not in ("model",)]
+    known = ["path", "dtype", "revision"]
+    known += [n for n in EngineConfig.option_names() if n != "model"]
     known = list(dict.fromkeys(known))
     sec = section(raw, "model", known)
     path = get(sec, "model", "path", "str")
     dtype = get(sec, "model", "dtype", "str", "auto")
+    revision = get(sec, "model", "revision", "str", None)
+    if revision is not None and not revision.strip():
+        raise JobError(
+            "model.revision: must not be empty (a branch, tag or commit of the hub repo)"
+        )
     options = {}
     for key, value in sec.items():
-        if key in ("path", "dtype"):
+        if key in ("path", "dtype", "revision"):
             continue
         options[key] = check_type(f"model.{key}", value, str(engine_fields[key]))
-    spec = ModelSpec(check_path("model.path", path), dtype, tuple(sorted(options.items())))
+    path = check_path("model.path", path)
+    spec = ModelSpec(path, dtype, tuple(sorted(options.items())), revision)
     try:
         spec.engine_config()
     except ConfigError as e:

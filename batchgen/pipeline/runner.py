@@ -19,6 +19,7 @@ from batchgen.job import JobError, JobSpec
 from batchgen.pipeline import engine_factory as factory
 from batchgen.pipeline.fingerprint import fingerprint, fingerprint_parts
 from batchgen.pipeline.job_limits import check_job_limits
+from batchgen.pipeline.model_source import resolve_job_model
 from batchgen.pipeline.modes import mode_for
 from batchgen.pipeline.progress import Progress
 from batchgen.pipeline.sharding import ShardSelector
@@ -121,9 +122,7 @@ class Runner:
 
     def prepare(self) -> None:
         """Every check that needs no model weights; raises JobError. Then claims the out dir."""
-        job = self.job
-        if not os.path.isdir(job.model.path):
-            raise JobError(f"model.path: {job.model.path!r} is not a directory (a HF model dir)")
+        job = self.job = resolve_job_model(self.job)  # a hub id: its snapshot directory
         self.files = resolve_inputs(job.input.path)
         self.formats = {f: file_format(f, job.input.format) for f in self.files}
         self.columns = self.mode.columns(self.files, list(self.formats.values()))
@@ -266,7 +265,7 @@ class Runner:
 
     def _layout(self) -> ShardLayout:
         passthrough = tuple(passthrough_dtypes(self.formats, self.job.input.columns, self.log))
-        return self.mode.layout(passthrough, os.path.basename(self.job.model.path))
+        return self.mode.layout(passthrough, self.job.model.name)
 
     def _planner(self):
         if self.engine is None:

@@ -12,6 +12,7 @@ from batchgen.io.readers import file_format, resolve_inputs
 from batchgen.job import JobError, JobSpec
 from batchgen.pipeline import engine_factory as factory
 from batchgen.pipeline.job_limits import check_job_limits
+from batchgen.pipeline.model_source import resolve_job_model
 from batchgen.pipeline.modes import mode_for
 from batchgen.plan.prompts import PromptError, PromptRenderer, TemplateLimits
 
@@ -63,6 +64,7 @@ def validate(
     (request_checks.py) against config.json's limits: a row counted ok here is one the
     engine accepts, and a failing row has the code and message the run would give it.
     """
+    job = resolve_job_model(job)  # as the run does: a hub id becomes its snapshot directory
     files = resolve_inputs(job.input.path)
     mode = mode_for(job)
     columns = mode.columns(files, [file_format(f, job.input.format) for f in files])

@@ -16,6 +16,8 @@ from batchgen.io.json_line import loads
 from batchgen.io.readers import OPENAI_KEY
 from batchgen.io.rows import InputRow, ResultRow
 from batchgen.outputs import RequestOutput
+from batchgen.plan.openai_logprobs import TokenBytes, chat_logprobs, completion_logprobs
+from batchgen.plan.openai_request import parse_body
 from batchgen.plan.prompts import Conversation, PromptError, PromptRenderer, RenderedPrompt
 from batchgen.sampling_params import SamplingParams, SamplingParamsError
 
@@ -25,18 +27,6 @@ PREFIX_TOKENS = 32  # rows whose first 32 prompt tokens agree form one prefix gr
 # many rows a shard has (1,024 rows just under input.max_row_bytes would be 4 GiB at once).
 TOKENIZE_BATCH_CHARS = 4 << 20
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
-# OpenAI body fields that map onto SamplingParams (others, e.g. "model", are ignored).
-_OPENAI_PARAMS = {
-    "max_tokens": "max_tokens",
-    "max_completion_tokens": "max_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "seed": "seed",
-    "stop": "stop",
-    "n": "n",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-}
 
 
 class TokenizerLike(Protocol):
@@ -183,19 +173,12 @@ class Planner:
         openai = (row.data or {}).get(OPENAI_KEY)
         if openai is None:
             return self.renderer.prepare(row.data or {}), self.renderer.spec.chat is not None, {}
-        body = openai["body"]
-        extra = {dst: body[src] for src, dst in _OPENAI_PARAMS.items() if body.get(src) is not None}
-        if openai["url"] == "/v1/chat/completions":
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise PromptError("bad_params", "body.messages must be a non-empty list")
-            return Conversation(messages), True, extra
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            return RenderedPrompt(prompt, add_special_tokens=True), False, extra
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return list(prompt), False, extra
-        raise PromptError("bad_params", "body.prompt must be a string or a list of token ids")
+        request = parse_body(openai["url"], openai["body"])  # every field honoured or refused
+        if request.chat:
+            return Conversation(request.messages), True, request.params
+        if isinstance(request.prompt, str):
+            return RenderedPrompt(request.prompt, add_special_tokens=True), False, request.params
+        return request.prompt, False, request.params
 
     def _params(self, row: InputRow, extra: dict[str, Any]) -> _Params:
         kw = dict(self.base_params)
@@ -300,8 +283,14 @@ def with_source(source: str, message: str) -> str:
     return message
 
 
-def to_result(request: Request, output: RequestOutput) -> ResultRow:
-    """The output row for a finished request (n > 1: text/finish_reason/tokens become lists)."""
+def to_result(
+    request: Request, output: RequestOutput, token_bytes: TokenBytes | None = None
+) -> ResultRow:
+    """The output row for a finished request (n > 1: text/finish_reason/tokens become lists).
+
+    With `token_bytes` (OpenAI-batch output) and a request that asked for log-probs, each
+    sample's log-probs in the response shape of its endpoint (chat or completions).
+    """
     base = dict(
         index=request.index,
         id=request.id,
@@ -315,14 +304,24 @@ def to_result(request: Request, output: RequestOutput) -> ResultRow:
         message = with_source(request.source, output.error or "the engine returned no output")
         return ResultRow(**base, error=message, error_code=code)
     samples = sorted(output.outputs, key=lambda o: o.index)
+    k = request.params.logprobs
+    logprobs = [None] * len(samples)
+    if token_bytes is not None and k is not None:
+        shape = chat_logprobs if request.chat else completion_logprobs
+        logprobs = [shape(s.token_ids, s.logprobs or [], k, token_bytes) for s in samples]
     if request.params.n == 1:
         s = samples[0]
         return ResultRow(
-            **base, text=s.text, finish_reason=s.finish_reason, num_output_tokens=len(s.token_ids)
+            **base,
+            text=s.text,
+            finish_reason=s.finish_reason,
+            num_output_tokens=len(s.token_ids),
+            logprobs=logprobs[0],
         )
     return ResultRow(
         **base,
         text=[s.text for s in samples],
         finish_reason=[s.finish_reason for s in samples],
         num_output_tokens=[len(s.token_ids) for s in samples],
+        logprobs=logprobs,
     )

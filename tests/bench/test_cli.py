@@ -100,3 +100,16 @@ def test_transformers_is_not_imported_without_peer(tmp_path):
         "assert 'transformers' not in sys.modules, 'transformers was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=600)
+
+
+def test_model_hub_id_is_resolved_before_anything_runs(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    result = CliRunner().invoke(bench, [*SMOKE, "--model", "no-org/no-model"])
+    assert result.exit_code == 2
+    assert "not a local directory, nor in the hub cache" in result.output
+    assert "hf download no-org/no-model" in result.output
+    result = CliRunner().invoke(bench, [*SMOKE, "--revision", "main"])
+    assert result.exit_code == 2 and "needs --model" in result.output
