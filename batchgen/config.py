@@ -65,6 +65,15 @@ class EngineConfig:
             (measured: +6% on llama3.1-8b nano, -3% on qwen3-0.6b; see README).
         allow_pickle: permit pickle `.bin` checkpoints (loaded with weights_only=True).
         seed: seeds weight-free randomness (the draw of seeds for requests without one).
+        tensor_parallel_size: split the model over this many GPUs (CPU processes on CPU): each
+            rank holds its share of the attention heads, MLP columns and vocabulary, loaded
+            slice by slice from the checkpoint, and the engine's process drives the others
+            (batchgen.engine.tensor_parallel). Must divide the attention heads, the
+            intermediate size and the vocabulary; the GPUs are cuda:K .. cuda:K+N-1 for
+            device cuda:K.
+        disable_custom_all_reduce: with tensor parallel on GPUs, always all-reduce through
+            NCCL; otherwise small all-reduces (decode steps) run torch's one-shot
+            symmetric-memory kernel where a start-up measurement finds it faster.
     """
 
     model: str
@@ -87,6 +96,8 @@ class EngineConfig:
     mixed_chunk_tokens: int | None = None
     allow_pickle: bool = False
     seed: int = 0
+    tensor_parallel_size: int = 1
+    disable_custom_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -121,6 +132,8 @@ class EngineConfig:
                 f"mixed_chunk_tokens={chunk}: must be between 0 (off) and "
                 f"max_num_batched_tokens={self.max_num_batched_tokens}, or null (auto)"
             )
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 2")
 

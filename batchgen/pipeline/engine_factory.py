@@ -68,6 +68,8 @@ def build_tokenizer(job: JobSpec) -> TokenizerLike:
 
 def model_limits(job: JobSpec) -> ModelLimits:
     """The limits the engine will check requests against, from config.json (no weights)."""
+    from batchgen.config import ConfigError
+    from batchgen.engine.tensor_parallel import check_tensor_parallel
     from batchgen.models.config import ModelConfig
     from batchgen.models.errors import ModelLoadError
 
@@ -75,5 +77,9 @@ def model_limits(job: JobSpec) -> ModelLimits:
         mc = ModelConfig.from_dir(job.model.path)
     except ModelLoadError as e:
         raise JobError(f"model.path: {e}") from None
-    configured = job.model.engine_config().max_model_len
-    return ModelLimits.of(mc.max_position_embeddings, mc.vocab_size, configured)
+    engine = job.model.engine_config()
+    try:  # a tensor_parallel_size this model or machine cannot take, before anything loads
+        check_tensor_parallel(engine, mc)
+    except ConfigError as e:
+        raise JobError(f"{job.source}: model.{e}") from None
+    return ModelLimits.of(mc.max_position_embeddings, mc.vocab_size, engine.max_model_len)
