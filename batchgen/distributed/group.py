@@ -72,6 +72,9 @@ class TensorParallel:
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
             torch.cuda.set_device(device)
             options["device_id"] = device  # communicators start now, not in the first step
+        # Every rank must give the default group the same name, the count of groups this
+        # process made, which a failed init leaves raised (torch resets it only on destroy).
+        dist.distributed_c10d._world.group_count = 0
         try:
             dist.init_process_group(
                 self.backend,
