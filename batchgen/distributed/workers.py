@@ -56,6 +56,7 @@ class WorkerPool:
         self.procs = procs
         self.conns = conns
         self.failure: str | None = None
+        self.failed_rank: int | None = None
         self.on_failure: Callable[[], None] | None = None
         self._closing = False
         self._monitor = threading.Thread(target=self._watch, name="tp-monitor", daemon=True)
@@ -182,6 +183,7 @@ class WorkerPool:
             for rank, proc in self.procs.items():
                 code = proc.poll()
                 if code is not None and self.failure is None and not self._closing:
+                    self.failed_rank = rank
                     self.failure = (
                         f"tensor parallel rank {rank} (pid {proc.pid}) died ({_exit_text(code)}); "
                         "the engine cannot continue"
@@ -191,17 +193,30 @@ class WorkerPool:
             time.sleep(0.05)
 
     def check(self) -> None:
-        """Raise TensorParallelError if a worker has died."""
+        """Raise TensorParallelError if a worker has died (with the error it reported, if it
+        raised one before exiting). Called from the engine's thread only."""
         self._poll()
         if self.failure is not None:
-            raise TensorParallelError(self.failure)
+            raise TensorParallelError(self.failure + self._last_words())
 
     def raise_if_died(self, error: BaseException, wait_s: float = 2.0) -> None:
         """After `error` from a collective or a send: raise TensorParallelError naming the dead
         worker if one died (waiting up to wait_s for its exit to show), else return."""
         self._poll(wait_s)
         if self.failure is not None:
-            raise TensorParallelError(self.failure) from error
+            raise TensorParallelError(self.failure + self._last_words()) from error
+
+    def _last_words(self) -> str:
+        """The error the failed worker sent before exiting, as text to append ('' if none)."""
+        conn = self.conns.get(self.failed_rank)
+        try:
+            while conn is not None and conn.poll(0):
+                msg = conn.recv()
+                if msg[0] == "error":
+                    return f"; it reported {msg[1]}: {msg[2]}"
+        except (EOFError, OSError):
+            pass
+        return ""
 
     def _watch(self) -> None:
         while not self._closing:
