@@ -67,7 +67,8 @@ class LlamaAttention(nn.Module):
         rms_eps given (norms folded, see LlamaForCausalLM.fold_norms_): hidden is the
         un-normalised residual stream, the input norm's weight sits in qkv_proj, and the row
         scale 1 / RMS(hidden) is applied to the qkv rows (in rope_and_store_kv on the cache
-        path). The o projection is then added into hidden in place, which is returned.
+        path). The o projection is then added into hidden in place and the sum returned
+        (_output_projection).
         """
         num_tokens = hidden.shape[0]
         qkv = linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq + 2 Hk) * D]
@@ -120,7 +121,7 @@ class LlamaMLP(nn.Module):
     def forward(self, hidden: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
         """[T, H] -> [T, 2I] -> [T, I] -> [T, H]. rms_eps given (norms folded): hidden is the
         un-normalised residual stream, scaled by 1 / RMS inside SiLU-and-mul, and the down
-        projection is added into hidden in place, which is returned."""
+        projection is added into hidden in place and the sum returned (_output_projection)."""
         gate_up = linear(hidden, self.gate_up_proj.weight, self.gate_up_proj.bias)
         if rms_eps is None:
             return _output_projection(None, self.act_fn(gate_up), self.down_proj, self.tp)
