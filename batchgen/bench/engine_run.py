@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from batchgen.bench.gpu_power import PowerSampler, device_uuid
-from batchgen.bench.random_model import build_random_model, preset_config
+from batchgen.bench.random_model import RandomPreset, build_random_model, preset_config
 from batchgen.bench.timing import timed
 from batchgen.bench.workloads import Workload, warmup_workload
 from batchgen.config import EngineConfig
@@ -48,10 +48,14 @@ def build_bench(
         engine = LLMEngine(replace(config, model=model_path, max_model_len=max_model_len))
         return Bench(engine.config, engine.runner, None, model_path)
     device = resolve_device(config.device)
-    mc = ModelConfig.from_dict(preset_config(preset), source=f"preset {preset}")
+    raw = preset_config(preset)
+    mc = ModelConfig.from_dict(raw, source=f"preset {preset}")
     dtype = resolve_dtype(config.dtype, mc, device)
-    model, raw = build_random_model(preset, dtype, device, seed=config.seed)
     config = replace(config, model=PRESET_MODEL, max_model_len=max_model_len)
+    if config.tensor_parallel_size > 1:  # every rank builds its share on its own GPU
+        build = RandomPreset(preset, dtype, config.seed)
+        return Bench(config, ModelRunner(config, mc, max_model_len, build=build), raw, None)
+    model, raw = build_random_model(preset, dtype, device, seed=config.seed)
     runner = ModelRunner.from_model(config, model, max_model_len)
     return Bench(config, runner, raw, None)
 

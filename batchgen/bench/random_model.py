@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from batchgen.distributed.group import TensorParallel
 from batchgen.models.config import ModelConfig
 from batchgen.models.loader import build_model
 from batchgen.models.presets import BENCH_PRESETS, PRESET_NAMES, TINY_PRESETS
@@ -44,16 +46,34 @@ def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
 
 
 def build_random_model(
-    preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0
+    preset: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    tp: TensorParallel | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """Build preset `preset` on `device` with random weights.
+    """Build preset `preset` on `device` with random weights; with `tp`, only this rank's share
+    (its own random values: seed + rank), so no process ever holds the whole model.
 
     Returns:
         (model, the HF config dict it was built from).
     """
     raw = preset_config(preset)
-    model = build_model(ModelConfig.from_dict(raw, source=f"preset {preset}"), dtype, device)
-    return init_random_(model, seed), raw
+    model = build_model(ModelConfig.from_dict(raw, source=f"preset {preset}"), dtype, device, tp)
+    return init_random_(model, seed + (tp.rank if tp is not None else 0)), raw
+
+
+@dataclass(frozen=True)
+class RandomPreset:
+    """The engine's model builder for a random-weight preset (picklable: each tensor-parallel
+    rank builds its own share on its own GPU)."""
+
+    preset: str
+    dtype: torch.dtype
+    seed: int = 0
+
+    def __call__(self, device: torch.device, tp: TensorParallel | None = None) -> nn.Module:
+        return build_random_model(self.preset, self.dtype, device, self.seed, tp)[0]
 
 
 def parameter_bytes(model: nn.Module) -> int:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from batchgen.distributed.group import TensorParallel
 from batchgen.models.checkpoint_check import check_checkpoint
 from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
@@ -29,23 +32,31 @@ def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torc
     )
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """An uninitialized-but-allocated model of the right class (random weights from nn init)."""
+def build_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None
+) -> nn.Module:
+    """An uninitialized-but-allocated model of the right class (random weights from nn init);
+    with `tp`, only this rank's share of it."""
     cls = model_class(config.architecture)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(config)
+            model = cls(config, tp) if tp is not None else cls(config)
     finally:
         torch.set_default_dtype(previous)
     return model.eval()
 
 
 def load_model(
-    path: str, dtype: str = "auto", device: str | torch.device = "cpu", allow_pickle: bool = False
+    path: str,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    allow_pickle: bool = False,
+    tp: TensorParallel | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
-    """Load config and weights of `path` onto `device`.
+    """Load config and weights of `path` onto `device`; with `tp`, this rank's share only,
+    read slice by slice from the safetensors files (model.tp_slice says which).
 
     Raises:
         ModelLoadError: naming the file or tensor at fault and what was expected.
@@ -54,10 +65,23 @@ def load_model(
     # The weights' headers against the config before the model it describes is allocated.
     check_checkpoint(path, config, allow_pickle)
     device = torch.device(device)
-    model = build_model(config, resolve_dtype(dtype, config, device), device)
+    model = build_model(config, resolve_dtype(dtype, config, device), device, tp)
     files = find_weight_files(path, allow_pickle)
-    load_weights(model, iter_tensors(files))
+    load_weights(model, iter_tensors(files, model.tp_slice if tp is not None else None))
     return model, config
+
+
+@dataclass(frozen=True)
+class CheckpointLoader:
+    """Builds the model of a checkpoint directory on a device (a tensor-parallel rank's share
+    with `tp`): what the engine's ranks each call, picklable so rank 0 can send it to them."""
+
+    path: str
+    dtype: str = "auto"
+    allow_pickle: bool = False
+
+    def __call__(self, device: torch.device, tp: TensorParallel | None = None) -> nn.Module:
+        return load_model(self.path, self.dtype, device, self.allow_pickle, tp)[0]
 
 
 def load_weights(model: nn.Module, tensors) -> None:

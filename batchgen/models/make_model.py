@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -15,7 +16,13 @@ from batchgen.models.presets import TINY_PRESETS
 from batchgen.models.tiny_tokenizer import BOS, CHAT_TEMPLATE, EOS, train_tokenizer
 
 
-def make_model(out_dir: str, arch: str, preset: str = "tiny", seed: int = 0) -> None:
+def make_model(
+    out_dir: str,
+    arch: str,
+    preset: str = "tiny",
+    seed: int = 0,
+    overrides: dict[str, Any] | None = None,
+) -> None:
     """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json and
     generation_config.json for a random tiny `arch` model into `out_dir`.
 
@@ -24,6 +31,8 @@ def make_model(out_dir: str, arch: str, preset: str = "tiny", seed: int = 0) -> 
         arch: one of llama, mistral, qwen2, qwen3, qwen3_moe, mixtral.
         preset: only "tiny" is written to disk (benchmark shapes are built on the device).
         seed: seeds the weights; the same seed gives the same tensors.
+        overrides: config.json keys to change from the preset (e.g. num_key_value_heads,
+            attention_bias, tie_word_embeddings: variants for tests).
     """
     if preset != "tiny":
         raise ModelLoadError(f"preset {preset!r}: make-model writes only the 'tiny' preset")
@@ -40,6 +49,7 @@ def make_model(out_dir: str, arch: str, preset: str = "tiny", seed: int = 0) -> 
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
         "torch_dtype": "float32",
+        **(overrides or {}),
     }
     tensors = _random_weights(config, seed)
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
