@@ -264,7 +264,7 @@ def fused_moe_ref(
         gate, up = torch.nn.functional.linear(hidden[token], w13[e]).split(inter, dim=-1)
         y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[e])  # [n, H]
         rows[token, slot] = (y.float() * topk_weights[token, slot, None].float()).to(y.dtype)
-    out = rows[:, 0].float()
+    out = rows[:, 0].to(torch.float32, copy=True)  # [T, H], contiguous (not a view of rows)
     for k in range(1, top_k):  # the kernel's order
         out += rows[:, k].float()
     return out.to(hidden.dtype)

@@ -104,7 +104,9 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks. Returns the sum: x itself (reduced in place), or a new tensor
-        where the one-shot kernel ran (small tensors on GPU, see one_shot.py)."""
+        where the one-shot kernel ran (small tensors on GPU, see one_shot.py) or where x is not
+        contiguous (collectives read a tensor's storage as one dense block)."""
+        x = x.contiguous()
         if self.one_shot is not None and x.numel() * x.element_size() <= self.one_shot_max_bytes:
             out = self.one_shot(x)
             if out is not None:

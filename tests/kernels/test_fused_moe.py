@@ -81,6 +81,22 @@ def test_bigger_row_blocks_and_counting(device, close):
     assert int(touched) == 2  # token 0's two experts
 
 
+def test_expert_slices_sum_to_the_whole(device, close):
+    # Tensor parallel splits each expert's intermediate rows across ranks: the outputs over the
+    # two halves (gate / up rows and down columns alike) sum to the output over all of them.
+    # Outputs are contiguous [T, H] (a collective reads them as one block).
+    hidden, w13, w2, weights, ids = moe_inputs(14, 4, 2, 32, 32, torch.float32, device, seed=6)
+    whole_ref = fused_moe_ref(hidden, w13, w2, weights, ids)
+    halves = [slice(0, 16), slice(16, 32)]
+    for run in (fused_moe_ref, lambda *a: fused_moe(*a, tiles=SMALL)):
+        parts = []
+        for h in halves:
+            w13_h = torch.cat([w13[:, h], w13[:, 32:][:, h]], dim=1).contiguous()  # [E, 2I/2, H]
+            parts.append(run(hidden, w13_h, w2[:, :, h].contiguous(), weights, ids))
+        assert all(p.is_contiguous() for p in parts)
+        close(parts[0] + parts[1], whole_ref, torch.float32)
+
+
 def test_reference_equals_transformers_moe_blocks():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
