@@ -38,12 +38,20 @@ class ExpertShape:
         return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** num_tokens)
 
 
-def expert_shape(model_config, weight_itemsize: int) -> ExpertShape | None:
-    """The routed experts of a ModelConfig; None for a dense model."""
+def expert_shape(
+    model_config, weight_itemsize: int, expert_intermediate_size: int | None = None
+) -> ExpertShape | None:
+    """The routed experts of a ModelConfig; None for a dense model.
+
+    Args:
+        expert_intermediate_size: each expert's intermediate rows on one tensor-parallel rank
+            (Partition.expert_intermediate_size), for that rank's share; None for all of them.
+    """
     moe = model_config.moe
     if moe is None:
         return None
-    params = 3 * moe.intermediate_size * model_config.hidden_size
+    inter = expert_intermediate_size or moe.intermediate_size
+    params = 3 * inter * model_config.hidden_size
     return ExpertShape(
         moe.num_sparse_layers, moe.num_experts, moe.top_k, params, params * weight_itemsize
     )

@@ -107,7 +107,9 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         model.part.num_kv_heads,
     )
     cost = roofline.workload_cost(shape, w)
-    experts = moe_roofline.expert_shape(mc, bench.runner.dtype.itemsize)
+    experts = moe_roofline.expert_shape(
+        mc, bench.runner.dtype.itemsize, model.part.expert_intermediate_size
+    )
     if experts is not None:  # a step reads the experts its tokens reach, FLOPs the active ones
         cost = moe_roofline.resident_cost(shape, experts, w)
     del model  # the peer frees our model; keep no reference here

@@ -6,6 +6,10 @@ of input columns. Attention heads are never cut: rank r holds query heads [r * H
 * Hq / N). KV heads split the same way when there are at least N of them; with fewer, N must be
 a multiple of their count and each rank holds the one KV head its query heads read (heads
 replicated N / Hk times), so GQA groups stay whole on every rank.
+
+Mixtures of experts (a config with `moe`) split every expert the way the dense MLP splits:
+rank r holds the same block of each expert's intermediate rows (gate / up rows, down columns),
+so every rank runs every expert on its slice; the router is whole on every rank.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ class Partition:
         kv_head_start: the first (global) KV head this rank holds.
         intermediate_size: MLP columns this rank computes.
         vocab_start / vocab_size: the vocabulary rows of the embedding and LM head it holds.
+        expert_intermediate_size: each expert's intermediate rows this rank computes (0 for a
+            model without experts).
     """
 
     rank: int
@@ -52,11 +58,14 @@ class Partition:
     total_kv_heads: int
     total_intermediate: int
     total_vocab: int
+    expert_intermediate_size: int = 0
+    total_expert_intermediate: int = 0
 
     @classmethod
     def of(cls, config, rank: int = 0, size: int = 1) -> Partition:
         """Rank `rank` of `size` for a ModelConfig-like `config` (num_attention_heads,
-        num_key_value_heads, head_dim, intermediate_size, vocab_size).
+        num_key_value_heads, head_dim, intermediate_size, vocab_size, and optionally moe with
+        its intermediate_size).
 
         Raises:
             ConfigError: `size` does not divide the model (check_divides).
@@ -68,6 +77,8 @@ class Partition:
         else:  # each KV head serves size // kv consecutive ranks
             local_kv, kv_start = 1, rank // (size // kv)
         inter, vocab = config.intermediate_size // size, config.vocab_size // size
+        moe = getattr(config, "moe", None)
+        expert_inter = moe.intermediate_size if moe is not None else 0
         return cls(
             rank=rank,
             size=size,
@@ -82,6 +93,8 @@ class Partition:
             total_kv_heads=kv,
             total_intermediate=config.intermediate_size,
             total_vocab=config.vocab_size,
+            expert_intermediate_size=expert_inter // size,
+            total_expert_intermediate=expert_inter,
         )
 
     def q_rows(self) -> RowBlock:
@@ -99,6 +112,12 @@ class Partition:
         n = self.intermediate_size
         return RowBlock(self.rank * n, n, self.total_intermediate)
 
+    def expert_rows(self) -> RowBlock:
+        """This rank's rows of each expert's gate and up projections (and columns of its down
+        projection)."""
+        n = self.expert_intermediate_size
+        return RowBlock(self.rank * n, n, self.total_expert_intermediate)
+
     def vocab_rows(self) -> RowBlock:
         """This rank's rows of embed_tokens and lm_head."""
         return RowBlock(self.vocab_start, self.vocab_size, self.total_vocab)
@@ -110,18 +129,21 @@ def _divisors_of_all(values: list[int]) -> list[int]:
 
 def check_divides(config, size: int) -> None:
     """Raise ConfigError, naming the config.json key, unless `size` ranks can split the model:
-    it divides the attention heads, the intermediate size and the vocabulary, and divides or is
-    a multiple of the KV heads."""
+    it divides the attention heads, the intermediate size (of the dense MLP where a layer has
+    one, of each expert where the model has experts) and the vocabulary, and divides or is a
+    multiple of the KV heads."""
     if size < 1:
         raise ConfigError(f"tensor_parallel_size={size}: must be >= 1")
     if size == 1:
         return
     heads, kv = config.num_attention_heads, config.num_key_value_heads
-    sizes = {
-        "num_attention_heads": heads,
-        "intermediate_size": config.intermediate_size,
-        "vocab_size": config.vocab_size,
-    }
+    sizes = {"num_attention_heads": heads}
+    moe = getattr(config, "moe", None)
+    if moe is None or not all(moe.sparse_layers):  # a dense MLP somewhere
+        sizes["intermediate_size"] = config.intermediate_size
+    if moe is not None:
+        sizes[moe.intermediate_key] = moe.intermediate_size
+    sizes["vocab_size"] = config.vocab_size
     valid = [
         n
         for n in _divisors_of_all(list(sizes.values()))

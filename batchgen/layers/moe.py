@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from batchgen.distributed.group import TensorParallel
+from batchgen.distributed.layers import reduce_rows
 from batchgen.kernels import ops
 from batchgen.layers.linear import linear
 
@@ -43,15 +45,22 @@ class SparseMoeBlock(nn.Module):
     """Router `gate` [E, H] and routed experts; each token goes to its top_k experts and gets
     their outputs summed with the routing weights.
 
+    Tensor parallel (`tp` given): every rank holds the whole router, so all route alike, and
+    its block of each expert's intermediate rows (I = the full width / N: gate / up rows, down
+    columns, as partition.py splits them). Each rank's weighted sum over its slices is a
+    partial sum of the output; one all-reduce after the down projection adds them, as after the
+    dense MLP's.
+
     Args:
         hidden_size: H.
         num_experts: E.
-        intermediate_size: I, each expert's gate/up width.
+        intermediate_size: I, each expert's gate/up width on this rank.
         top_k: experts per token.
         norm_topk_prob: renormalise the top-k probabilities to sum to 1.
         round_weights: round the routing weights to the model's dtype before they scale the
             experts' outputs (Qwen3-MoE), else scale in float32 (Mixtral).
         counter: where to count the experts the batch reaches (None: not counted).
+        tp: this rank's place in a tensor-parallel group (None: one rank holds everything).
     """
 
     def __init__(
@@ -63,6 +72,7 @@ class SparseMoeBlock(nn.Module):
         norm_topk_prob: bool,
         round_weights: bool,
         counter: ExpertCounter | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
@@ -71,6 +81,7 @@ class SparseMoeBlock(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.round_weights = round_weights
         self.counter = counter
+        self.tp = tp
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> (routing weights [T, K], expert ids [T, K] int32): router logits in
@@ -91,7 +102,7 @@ class SparseMoeBlock(nn.Module):
         """hidden [T, H] (normalised) -> the weighted sum of each token's experts [T, H]."""
         weights, ids = self.route(hidden)
         counter = self.counter
-        return ops.fused_moe(
+        out = ops.fused_moe(
             hidden,
             self.experts.gate_up_proj,
             self.experts.down_proj,
@@ -99,4 +110,5 @@ class SparseMoeBlock(nn.Module):
             ids,
             counter.touched if counter is not None else None,
             counter.token_slots if counter is not None else None,
-        )
+        )  # [T, H]; with tp, this rank's partial sum over its slices of the experts
+        return out if self.tp is None else reduce_rows(self.tp, out, None)

@@ -15,6 +15,11 @@ CHECKPOINT_NAMES = {
     "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
 }
 MOE_ARCHITECTURES = tuple(CHECKPOINT_NAMES)
+# The config.json key of each expert's intermediate size (Mixtral has no dense layers).
+_INTERMEDIATE_KEY = {
+    "Qwen3MoeForCausalLM": "moe_intermediate_size",
+    "MixtralForCausalLM": "intermediate_size",
+}
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,7 @@ class MoeConfig:
         round_weights: the routing weights are rounded to the model's dtype before they scale
             the experts' outputs (Qwen3-MoE); Mixtral scales in float32.
         sparse_layers: per decoder layer, True where the MLP is the MoE block.
+        intermediate_key: the config.json key intermediate_size comes from (for messages).
     """
 
     num_experts: int
@@ -39,6 +45,7 @@ class MoeConfig:
     norm_topk_prob: bool
     round_weights: bool
     sparse_layers: tuple[bool, ...]
+    intermediate_key: str = "moe_intermediate_size"
 
     @property
     def num_sparse_layers(self) -> int:
@@ -66,12 +73,12 @@ def moe_config(
     experts_key = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
     num_experts = size(experts_key)
     top_k = size("num_experts_per_tok")
+    key = _INTERMEDIATE_KEY[arch]
+    inter = size(key)
     if arch == "MixtralForCausalLM":
-        inter = size("intermediate_size")
         sparse = (True,) * num_layers
         norm, round_weights = True, False
     else:
-        inter = size("moe_intermediate_size")
         step = size("decoder_sparse_step", 1)
         dense = raw.get("mlp_only_layers") or []
         if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
@@ -82,7 +89,7 @@ def moe_config(
         raise ModelLoadError(
             f"{source}: num_experts_per_tok={top_k} must be at most the {num_experts} experts"
         )
-    return MoeConfig(num_experts, top_k, inter, norm, round_weights, sparse)
+    return MoeConfig(num_experts, top_k, inter, norm, round_weights, sparse, key)
 
 
 def expert_tensor_shapes(
@@ -93,7 +100,7 @@ def expert_tensor_shapes(
     block, (gate, up, down) = CHECKPOINT_NAMES[arch]
     p = f"model.layers.{layer}.{block}."
     e, i = moe.num_experts, moe.intermediate_size
-    inter = "intermediate_size" if arch == "MixtralForCausalLM" else "moe_intermediate_size"
+    inter = moe.intermediate_key
     out = {p + "gate.weight": ((e, hidden), "num_experts, hidden_size")}
     for x in range(e):
         out[f"{p}experts.{x}.{gate}.weight"] = ((i, hidden), f"{inter}, hidden_size")

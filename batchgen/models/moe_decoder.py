@@ -16,6 +16,11 @@ our weights as they are.
 
 RMSNorm weights are not folded into the projections here (can_fold_norms): the router and
 the experts would both need the row scale.
+
+Tensor parallel: each rank holds the whole router of every sparse layer and its block of every
+expert's intermediate rows (Partition.expert_rows), read from each per-expert tensor as a
+safetensors slice (tp_slice), so no process reads an expert whole; the block's output is one
+all-reduce (layers/moe.py), like the dense MLP's down projection.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ import re
 import torch
 from torch import nn
 
+from batchgen.distributed.group import TensorParallel
+from batchgen.distributed.partition import RowBlock
 from batchgen.layers.context import AttentionContext
 from batchgen.layers.moe import ExpertCounter, SparseMoeBlock
 from batchgen.models.config import ModelConfig
-from batchgen.models.errors import ModelLoadError
 from batchgen.models.llama import LlamaForCausalLM
 from batchgen.models.moe_config import CHECKPOINT_NAMES
 
@@ -43,18 +49,12 @@ class MoeForCausalLM(LlamaForCausalLM):
     roofline; a device counter, see ExpertCounter).
     """
 
-    def __init__(self, config: ModelConfig, tp=None) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         if config.moe is None:
             raise ValueError(f"{config.architecture}: a mixture-of-experts model needs config.moe")
-        if tp is not None and getattr(tp, "size", 1) > 1:
-            raise ModelLoadError(
-                f"{config.architecture}: tensor parallel is not supported for mixture-of-experts "
-                f"models yet (tensor_parallel_size={tp.size}); run it on one GPU with "
-                "tensor_parallel_size 1 (Qwen3-30B-A3B fits one 80 GB GPU in bf16)"
-            )
         # Built before the layers, which share it, on the device the model is being built on.
         self.expert_counter = ExpertCounter()
-        super().__init__(config)
+        super().__init__(config, tp)
         self.kernels_warm = False  # forward compiles the MoE kernels once, before any step
 
     def mlp_block(self, layer_idx: int) -> nn.Module:
@@ -64,17 +64,45 @@ class MoeForCausalLM(LlamaForCausalLM):
         return SparseMoeBlock(
             self.config.hidden_size,
             moe.num_experts,
-            moe.intermediate_size,
+            self.part.expert_intermediate_size,  # this rank's rows of each expert
             moe.top_k,
             moe.norm_topk_prob,
             moe.round_weights,
             self.expert_counter,
+            self.tp,
         )
 
     def sparse_blocks(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
 
     # ---- checkpoint layout -------------------------------------------------------------------
+    def _expert_tensor(self, hf_name: str) -> tuple[str, int, str] | None:
+        """(layer prefix, expert, projection) of one of this model's per-expert checkpoint
+        tensors; None for any other name."""
+        block, projections = CHECKPOINT_NAMES[self.config.architecture]
+        match = _EXPERT_TENSOR.match(hf_name)
+        if match is None:
+            return None
+        layer, found, expert, projection = match.groups()
+        e = int(expert)
+        if found != block or projection not in projections or e >= self.config.moe.num_experts:
+            return None
+        return layer, e, projection
+
+    def tp_slice(self, hf_name: str) -> tuple[int, RowBlock] | None:
+        """The part of checkpoint tensor hf_name this rank loads. Each expert's gate and up
+        projections: its block of rows (dim 0); its down projection: the matching columns
+        (dim 1). The router is whole on every rank; the rest as in the Llama decoder."""
+        if self.tp is None:
+            return None
+        expert = self._expert_tensor(hf_name)
+        if expert is None:
+            # Not one of this model's experts (a bad index or name): read whole, and the
+            # loader reports it as unexpected.
+            return None if _EXPERT_TENSOR.match(hf_name) else super().tp_slice(hf_name)
+        down = CHECKPOINT_NAMES[self.config.architecture][1][2]
+        return (1 if expert[2] == down else 0), self.part.expert_rows()
+
     def checkpoint_name(self, hf_name: str) -> tuple[str, int | None] | None:
         """Where checkpoint tensor hf_name goes when the Llama mapping does not say: expert e's
         gate / up rows are shards 2e / 2e + 1 of experts.gate_up_proj ([E * 2I, H] as rows),
@@ -82,25 +110,22 @@ class MoeForCausalLM(LlamaForCausalLM):
         goes to mlp.gate. None: the loader's default mapping (and its error for unknown names).
         """
         block, (gate, up, down) = CHECKPOINT_NAMES[self.config.architecture]
-        match = _EXPERT_TENSOR.match(hf_name)
-        if match is None:
-            if block != "mlp" and f".{block}." in hf_name:
+        expert = self._expert_tensor(hf_name)
+        if expert is None:
+            if _EXPERT_TENSOR.match(hf_name) is None and block != "mlp" and f".{block}." in hf_name:
                 return hf_name.replace(f".{block}.", ".mlp."), None
-            return None
-        layer, found, expert, projection = match.groups()
-        e = int(expert)
-        if found != block or projection not in (gate, up, down) or e >= self.config.moe.num_experts:
-            return None  # not ours: reported as unexpected
+            return None  # the default mapping, or not ours: reported as unexpected
+        layer, e, projection = expert
         if projection == down:
             return f"{layer}.mlp.experts.down_proj", e
         return f"{layer}.mlp.experts.gate_up_proj", 2 * e + (projection == up)
 
     def param_shard_sizes(self, name: str) -> list[int] | None:
-        """Row counts of the checkpoint tensors a stacked expert parameter is loaded from (None
-        for every other parameter: the Llama fusions apply)."""
+        """Row counts of the checkpoint tensors (this rank's slices of them) a stacked expert
+        parameter is loaded from (None for every other parameter: the Llama fusions apply)."""
         moe, hidden = self.config.moe, self.config.hidden_size
         if name.endswith(".experts.gate_up_proj"):
-            return [moe.intermediate_size] * (2 * moe.num_experts)
+            return [self.part.expert_intermediate_size] * (2 * moe.num_experts)
         if name.endswith(".experts.down_proj"):
             return [hidden] * moe.num_experts
         return None

@@ -40,6 +40,18 @@ def test_column_blocks_tile_each_dimension_once(size):
         assert all(getter(p).full == full for p in parts)
 
 
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_expert_blocks_tile_each_experts_rows_once(size):
+    c = config(heads=8, kv=8, inter=64, vocab=128)
+    c.moe = SimpleNamespace(intermediate_size=48, sparse_layers=(True, False),
+                            intermediate_key="moe_intermediate_size")  # fmt: skip
+    parts = [Partition.of(c, r, size) for r in range(size)]
+    owned = [i for p in parts for i in rows(p.expert_rows())]
+    assert sorted(owned) == list(range(48))
+    assert all(p.expert_intermediate_size == 48 // size for p in parts)
+    assert all(p.intermediate_size == 64 // size for p in parts)  # the dense layer's
+
+
 def test_fewer_kv_heads_than_ranks_replicates_the_head_each_group_reads():
     # 8 query heads in 2 GQA groups of 4 (kv heads 0 and 1), over 4 ranks of 2 query heads.
     c = config(heads=8, kv=2)

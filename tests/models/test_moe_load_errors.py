@@ -103,16 +103,6 @@ def test_mixtral_sliding_window_is_refused(tiny_model_dir):
         ModelConfig.from_dict(raw)
 
 
-def test_tensor_parallel_is_refused_by_name(tiny_model_dir):
-    from types import SimpleNamespace
-
-    from batchgen.models.moe_decoder import Qwen3MoeForCausalLM
-
-    config = ModelConfig.from_dir(tiny_model_dir("qwen3_moe"))
-    with pytest.raises(ModelLoadError, match="tensor parallel is not supported.*size=2"):
-        Qwen3MoeForCausalLM(config, SimpleNamespace(size=2, rank=0))
-
-
 def test_wrong_router_shape_names_the_experts_key(tiny_model_dir, tmp_path):
     def widen(t):
         name = "model.layers.0.mlp.gate.weight"
