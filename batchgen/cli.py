@@ -304,7 +304,11 @@ def status(out_dir) -> None:
 
 
 @main.command("make-model")
-@click.option("--arch", type=click.Choice(["llama", "qwen2", "qwen3", "mistral"]), required=True)
+@click.option(
+    "--arch",
+    type=click.Choice(["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"]),
+    required=True,
+)
 @click.option("--preset", default="tiny", show_default=True, help="Model size preset.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
 @click.option(
@@ -319,7 +323,7 @@ def make_model(arch, preset, seed, vocab_size, out_dir) -> None:
     """Write a small random-weight HF model (config, tokenizer, safetensors) to OUT_DIR."""
     from batchgen.models.make_model import make_model as build
 
-    build(out_dir, arch, preset, seed, vocab_size)
+    build(out_dir, arch, preset, seed, vocab_size=vocab_size)
     click.echo(f"wrote {arch}/{preset} model to {out_dir}")
 
 

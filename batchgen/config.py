@@ -70,6 +70,15 @@ class EngineConfig:
         seed: seeds weight-free randomness (the draw of seeds for requests without one).
         structured_output_threads: threads that fill structured output's token masks each
             step (None: llguidance's default, 80% of the CPUs up to 32).
+        tensor_parallel_size: split the model over this many GPUs (CPU processes on CPU): each
+            rank holds its share of the attention heads, MLP columns and vocabulary, loaded
+            slice by slice from the checkpoint, and the engine's process drives the others
+            (batchgen.engine.tensor_parallel). Must divide the attention heads, the
+            intermediate size and the vocabulary; the GPUs are cuda:K .. cuda:K+N-1 for
+            device cuda:K.
+        disable_custom_all_reduce: with tensor parallel on GPUs, always all-reduce through
+            NCCL; otherwise small all-reduces (decode steps) run torch's one-shot
+            symmetric-memory kernel where a start-up measurement finds it faster.
     """
 
     model: str
@@ -94,6 +103,8 @@ class EngineConfig:
     cpu_threads: int | None = None
     seed: int = 0
     structured_output_threads: int | None = None
+    tensor_parallel_size: int = 1
+    disable_custom_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -136,6 +147,8 @@ class EngineConfig:
             not isinstance(self.cpu_threads, int) or self.cpu_threads < 1
         ):
             raise ConfigError(f"cpu_threads={short_repr(self.cpu_threads)}: must be >= 1 or null")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 2")
 

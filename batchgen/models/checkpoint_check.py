@@ -13,6 +13,7 @@ import os
 
 from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
+from batchgen.models.moe_config import expert_tensor_shapes
 from batchgen.models.safetensors_header import TensorInfo, read_header
 from batchgen.models.weight_files import find_weight_files
 
@@ -21,7 +22,8 @@ _SHOWN = 6  # names listed in a message before "..."
 
 
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{HF tensor name: (shape, the config keys that size it)} of a llama-family checkpoint.
+    """{HF tensor name: (shape, the config keys that size it)} of a llama-family checkpoint
+    (mixture-of-experts layers: their router and per-expert tensors).
     A tied lm_head is left out (the loader ignores one a checkpoint carries)."""
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     h, inter, v, d = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
@@ -42,10 +44,13 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
             "self_attn.k_proj.weight": ((kv, h), kvk),
             "self_attn.v_proj.weight": ((kv, h), kvk),
             "self_attn.o_proj.weight": ((h, q), qk),
-            "mlp.gate_proj.weight": ((inter, h), "intermediate_size, hidden_size"),
-            "mlp.up_proj.weight": ((inter, h), "intermediate_size, hidden_size"),
-            "mlp.down_proj.weight": ((h, inter), "hidden_size, intermediate_size"),
         }
+        if c.moe is not None and c.moe.sparse_layers[i]:  # router and experts instead
+            out.update(expert_tensor_shapes(c.architecture, i, h, c.moe))
+        else:
+            layer["mlp.gate_proj.weight"] = ((inter, h), "intermediate_size, hidden_size")
+            layer["mlp.up_proj.weight"] = ((inter, h), "intermediate_size, hidden_size")
+            layer["mlp.down_proj.weight"] = ((h, inter), "hidden_size, intermediate_size")
         if c.qkv_bias:
             layer["self_attn.q_proj.bias"] = ((q,), "num_attention_heads, head_dim")
             layer["self_attn.k_proj.bias"] = ((kv,), "num_key_value_heads, head_dim")
@@ -91,7 +96,7 @@ def check_checkpoint(path: str, config: ModelConfig, allow_pickle: bool = False)
         if info is None:
             continue
         if info.shape != shape:
-            values = ", ".join(f"{k}={getattr(config, k)}" for k in keys.split(", "))
+            values = ", ".join(f"{k}={_config_value(config, k)}" for k in keys.split(", "))
             raise ModelLoadError(
                 f"{info.file}: tensor {name!r} has shape {info.shape}, but {source} "
                 f"({values}) makes it {shape}; the config and weights do not belong together"
@@ -120,6 +125,14 @@ def check_checkpoint(path: str, config: ModelConfig, allow_pickle: bool = False)
             f"describe (a {config.architecture} of {config.num_hidden_layers} layer(s)): "
             f"{_names(unused)}"
         )
+
+
+def _config_value(config: ModelConfig, key: str) -> int:
+    """The value config.json gave `key` (the experts' keys live in config.moe)."""
+    moe = {"num_experts": "num_experts", "moe_intermediate_size": "intermediate_size"}
+    if key in moe and config.moe is not None:
+        return getattr(config.moe, moe[key])
+    return getattr(config, key)
 
 
 def _layers_in(tensors: dict[str, TensorInfo]) -> int:
