@@ -114,7 +114,7 @@ from batchgen.models.presets import PRESET_NAMES
     "--structured-output-threads",
     type=int,
     default=None,
-    help="Threads filling the token masks (default: llguidance's, 80%% of the CPUs).",
+    help="Threads filling the token masks (default: llguidance's, 80% of the CPUs).",
 )
 def bench(**kw) -> None:
     """Benchmark the engine on a standard workload (examples/benchmarks/README.md); one table last.
