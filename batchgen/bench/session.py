@@ -34,6 +34,7 @@ class BenchOptions:
     num_prompts: int | None = None
     max_output_tokens: int | None = None
     warmup: int = 16
+    structured_schema: str | None = None  # a JSON schema file: constrained run + replay
 
 
 def _model_config(opts: BenchOptions) -> ModelConfig:
@@ -106,15 +107,35 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         model.part.num_heads,
         model.part.num_kv_heads,
     )
-    cost = roofline.workload_cost(shape, w)
     experts = moe_roofline.expert_shape(
         mc, bench.runner.dtype.itemsize, model.part.expert_intermediate_size
     )
-    if experts is not None:  # a step reads the experts its tokens reach, FLOPs the active ones
-        cost = moe_roofline.resident_cost(shape, experts, w)
+
+    def workload_cost(wl: Workload) -> roofline.WorkloadCost:
+        if experts is not None:  # a step reads the experts its tokens reach, FLOPs the active
+            return moe_roofline.resident_cost(shape, experts, wl)
+        return roofline.workload_cost(shape, wl)
+
+    cost = workload_cost(w)
     del model  # the peer frees our model; keep no reference here
-    log(f"{w.name}: {w.num_requests} requests, {opts.repeat} timed run(s) ...")
-    runs = _repeat_engine(bench, w, opts.repeat, opts.warmup)
+    structured = None
+    if opts.structured_schema is not None:
+        from batchgen.bench.structured_bench import run_structured
+
+        log(f"{w.name} with {opts.structured_schema} on every request: {w.num_requests} requests")
+
+        def result(run: dict[str, Any], wl: Workload) -> dict[str, Any]:
+            return _result(run, wl, workload_cost(wl), ceilings, peak_memory_bytes(device))
+
+        structured = run_structured(
+            bench, w, opts.structured_schema, opts.repeat, opts.warmup, result, log
+        )
+        runs = structured.pop("runs")
+        w = dataclasses.replace(w, max_tokens=structured["replay"]["max_tokens"])
+        cost = workload_cost(w)
+    else:
+        log(f"{w.name}: {w.num_requests} requests, {opts.repeat} timed run(s) ...")
+        runs = _repeat_engine(bench, w, opts.repeat, opts.warmup)
     peak = peak_memory_bytes(device)
     report: dict[str, Any] = {
         **env,
@@ -159,7 +180,10 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         "prefix_caching_off": None,
         "pipeline": None,
         "peer": None,
+        "structured": structured,
     }
+    if structured is not None:
+        report["workload"]["structured_schema"] = opts.structured_schema
     if experts is not None:
         report["result"].update(_steps_taken(shape, experts, w, report["result"], ceilings))
     if w.name == "shared-prefix":
