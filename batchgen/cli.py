@@ -1,4 +1,5 @@
-"""The `batchgen` command line: run, validate, status, make-model (and bench when present)."""
+"""The `batchgen` command line: run, validate, status, make-model, perplexity (and bench when
+present)."""
 
 from __future__ import annotations
 
@@ -197,6 +198,67 @@ def make_model(arch, preset, seed, out_dir) -> None:
 
     build(out_dir, arch, preset, seed)
     click.echo(f"wrote {arch}/{preset} model to {out_dir}")
+
+
+@main.command()
+@click.argument("model", type=click.Path(file_okay=False))
+@click.argument("text_file", type=click.Path(dir_okay=False))
+@click.option("--context", default=2048, show_default=True, help="Most tokens in a window.")
+@click.option("--stride", default=512, show_default=True, help="Tokens between window starts.")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+              default="auto", show_default=True)  # fmt: skip
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--json", "json_out", default=None, help="Also write the numbers to this file.")
+def perplexity(model, text_file, context, stride, dtype, device, json_out) -> None:
+    """Sliding-window perplexity of MODEL on TEXT_FILE (UTF-8, read as one text).
+
+    Windows of --context tokens start every --stride tokens; each scores the tokens past the
+    previous window's end (Hugging Face's strided recipe: every token after the first is scored
+    once, with at least context - stride tokens before it).
+    """
+    from batchgen.config import ConfigError
+    from batchgen.llm import LLM
+    from batchgen.models.errors import ModelLoadError
+    from batchgen.plan.perplexity import check_window_args
+
+    try:
+        check_window_args(context, stride)
+        with open(text_file, encoding="utf-8") as f:
+            text = f.read()
+    except ValueError as e:
+        _fail(f"{text_file}: {e}" if isinstance(e, UnicodeDecodeError) else str(e))
+    except OSError as e:
+        _fail(f"{text_file}: cannot read ({e.strerror})")
+    try:
+        llm = LLM(model, dtype=dtype, device=device, max_model_len=context)
+    except (ModelLoadError, ConfigError) as e:
+        _fail(f"{model}: {e}")
+    try:
+        show = sys.stderr.isatty()
+        out = llm.perplexity([text], context=context, stride=stride, use_tqdm=show)[0]
+    except ValueError as e:  # a context past the model's max_position_embeddings
+        _fail(f"{model}: {e}")
+    if out.error is not None:
+        _fail(f"{text_file}: {out.error}")
+    record = {
+        "model": model,
+        "text_file": text_file,
+        "context": context,
+        "stride": stride,
+        "dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
+        "perplexity": out.perplexity,
+        "nll": out.nll,
+        "num_tokens": out.num_tokens,
+        "num_windows": out.num_windows,
+    }
+    if json_out:
+        with open(json_out, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
+    click.echo(
+        f"perplexity {out.perplexity:.4f} over {out.num_tokens} tokens "
+        f"({out.num_windows} windows of <= {context} tokens, stride {stride})"
+    )
 
 
 # `batchgen bench` lives in batchgen/bench/cli.py; registered only when that module exists.
