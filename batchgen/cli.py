@@ -189,14 +189,41 @@ def status(out_dir) -> None:
 
 @main.command("make-model")
 @click.option("--arch", type=click.Choice(["llama", "qwen2", "qwen3", "mistral"]), required=True)
-@click.option("--preset", default="tiny", show_default=True, help="Model size preset.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
+@click.option(
+    "--preset",
+    default="tiny",
+    show_default=True,
+    help="tiny (random weights, seconds) or trained-tiny (llama only: trained on CPU on the "
+    "Python standard library's source; about an hour on 2 busy cores).",
+)
+@click.option("--seed", default=0, show_default=True, help="Seed of the weights.")
+@click.option("--steps", type=int, default=None, help="trained-tiny: training steps (default 250).")
 @click.argument("out_dir", type=click.Path(file_okay=False))
-def make_model(arch, preset, seed, out_dir) -> None:
-    """Write a small random-weight HF model (config, tokenizer, safetensors) to OUT_DIR."""
+def make_model(arch, preset, seed, steps, out_dir) -> None:
+    """Write a small HF model (config, tokenizer, safetensors) to OUT_DIR."""
+    if preset == "trained-tiny":
+        if arch != "llama":
+            _fail(f"--preset trained-tiny is a llama model, not --arch {arch}")
+        if steps is not None and steps < 1:
+            _fail("--steps must be >= 1")
+        from batchgen.models.trained_tiny import build as train
+
+        try:
+            record = train(out_dir, steps=steps, seed=seed, log=lambda m: click.echo(m, err=True))
+        except FileNotFoundError as e:
+            _fail(str(e))
+        click.echo(
+            f"wrote trained-tiny model to {out_dir} (held-out loss "
+            f"{record['heldout_loss_fp32']:.4f}, {record['seconds']:.0f} s)"
+        )
+        return
+    from batchgen.models.errors import ModelLoadError
     from batchgen.models.make_model import make_model as build
 
-    build(out_dir, arch, preset, seed)
+    try:
+        build(out_dir, arch, preset, seed)
+    except ModelLoadError as e:
+        _fail(str(e))
     click.echo(f"wrote {arch}/{preset} model to {out_dir}")
 
 
