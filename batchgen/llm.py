@@ -106,6 +106,16 @@ class LLM:
             for i, o in enumerate(outputs)
         ]
 
+    def calibrate_kv_scales(
+        self, prompts: SequenceABC[str] | SequenceABC[list[int]]
+    ) -> list[tuple[float, float]]:
+        """With kv_cache_dtype="fp8": set each layer's K/V scales from max |k| and |v| over
+        `prompts` (text or token ids; scale = max / 448) and return them, before anything runs.
+        Without it the scales are the checkpoint's, else 1.0 (or the first
+        `calibrate_kv_scales` prompts' when that option is set)."""
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return self.engine.calibrate_kv_scales(ids)
+
     def perplexity(
         self,
         texts: SequenceABC[str] | SequenceABC[list[int]],

@@ -10,6 +10,7 @@ import torch
 from batchgen.config import ConfigError, EngineConfig
 from batchgen.engine.cuda_graph import DecodeGraphs, bucket_sizes
 from batchgen.engine.host_to_device import PinnedStager
+from batchgen.engine.kv_scales import KVScales
 from batchgen.engine.mixed_graph import MixedGraphs, mixed_bucket_sizes
 from batchgen.engine.prompt_allowance import auto_chunk_tokens
 from batchgen.engine.request_checks import check_cache_size
@@ -18,6 +19,7 @@ from batchgen.engine.scheduler_output import ScheduledSequence
 from batchgen.engine.step_handle import StepHandle
 from batchgen.engine.step_inputs import StepInputs, build_step_inputs, pad_block_tables
 from batchgen.kernels import ops
+from batchgen.kernels.fp8 import FP8_DTYPE
 from batchgen.layers import gemm_tuning, linear
 from batchgen.layers.context import AttentionContext
 from batchgen.models.config import ModelConfig
@@ -64,6 +66,8 @@ class ModelRunner:
 
     def _init(self, max_model_len: int) -> None:
         self.dtype = next(self.model.parameters()).dtype
+        self.kv_dtype = FP8_DTYPE if self.config.kv_cache_dtype == "fp8" else self.dtype
+        self.kv_scales = KVScales(self.model)
         # Before anything runs the model: graphs and the memory profile see the folded form.
         if self.config.fold_norms:
             self.model.fold_norms_()  # a no-op for models it cannot fold (model.norms_folded)
@@ -93,7 +97,7 @@ class ModelRunner:
             self.block_size,
             c.num_key_value_heads,
             c.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
         self.kv_caches = [
@@ -140,7 +144,7 @@ class ModelRunner:
     def block_bytes(self) -> int:
         c = self.model_config
         per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
-        return per_token * self.block_size * self.dtype.itemsize
+        return per_token * self.block_size * self.kv_dtype.itemsize
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:

@@ -35,6 +35,8 @@ class ModelConfig:
     torch_dtype: str | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default=())
+    # config.json's quantization_config as written (batchgen/models/quantization reads it).
+    quantization_config: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
     @classmethod
     def from_dir(cls, path: str) -> ModelConfig:
@@ -109,7 +111,15 @@ class ModelConfig:
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos,
+            quantization_config=_quantization_config(raw, source),
         )
+
+
+def _quantization_config(raw: dict[str, Any], source: str) -> dict[str, Any] | None:
+    value = raw.get("quantization_config")
+    if value is not None and not isinstance(value, dict):
+        raise ModelLoadError(f"{source}: quantization_config must be a mapping, got {value!r}")
+    return value
 
 
 def _read_optional_json(path: str) -> dict | None:

@@ -70,6 +70,7 @@ class LlamaAttention(nn.Module):
                 k_cache, v_cache, ctx.slot_mapping, *norms,
                 self.q_norm.eps if self.qk_norm else 1e-6,
                 rms_rows=hidden if folded else None, rms_eps=rms_eps if folded else 1e-6,
+                kv_scale=self.attn.cache_scale(k_cache),
             )  # fmt: skip
             out = self.attn.attend(q, ctx)  # [T, Hq, D]
         out = out.reshape(num_tokens, self.q_size)

@@ -7,6 +7,7 @@ from torch import nn
 
 from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
+from batchgen.models.quantization import load_plan
 from batchgen.models.registry import model_class
 from batchgen.models.weights import find_weight_files, iter_tensors
 
@@ -41,18 +42,26 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -
 
 
 def load_model(
-    path: str, dtype: str = "auto", device: str | torch.device = "cpu", allow_pickle: bool = False
+    path: str,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    allow_pickle: bool = False,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
-    """Load config and weights of `path` onto `device`.
+    """Load config and weights of `path` onto `device`; quantized checkpoints (and the
+    `quantization` option) through batchgen.models.quantization.
 
     Raises:
         ModelLoadError: naming the file or tensor at fault and what was expected.
     """
     config = ModelConfig.from_dir(path)
     device = torch.device(device)
+    plan = load_plan(config, quantization)
     model = build_model(config, resolve_dtype(dtype, config, device), device)
+    plan.prepare(model)
     files = find_weight_files(path, allow_pickle)
-    load_weights(model, iter_tensors(files))
+    load_weights(model, plan.tensors(iter_tensors(files)))
+    plan.finish(model)
     return model, config
 
 

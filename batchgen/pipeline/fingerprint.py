@@ -11,6 +11,9 @@ from batchgen.job import JobSpec
 
 _WEIGHT_EXTS = (".safetensors", ".bin", ".pt", ".pth")
 _HASHED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+# Engine options that change the numbers a model computes (other engine options, such as
+# max_num_seqs, only change speed): part of the fingerprint when not at their defaults.
+_NUMERIC_OPTIONS = {"kv_cache_dtype": "auto", "calibrate_kv_scales": 0, "quantization": None}
 
 
 def _h(obj) -> str:
@@ -31,7 +34,16 @@ def _model_part(job: JobSpec) -> dict:
         for n in (os.listdir(path) if os.path.isdir(path) else [])
         if n.endswith(_WEIGHT_EXTS)
     )
-    return {"files": files, "weights": weights, "dtype": job.model.dtype}
+    part = {"files": files, "weights": weights, "dtype": job.model.dtype}
+    options = dict(job.model.options)
+    numerics = {
+        k: options[k]
+        for k, default in _NUMERIC_OPTIONS.items()
+        if options.get(k, default) != default
+    }
+    if numerics:  # absent otherwise, so jobs without them keep their fingerprints
+        part["numerics"] = numerics
+    return part
 
 
 def _input_part(job: JobSpec, files: list[str]) -> dict:
