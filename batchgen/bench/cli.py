@@ -52,6 +52,20 @@ from batchgen.models.presets import PRESET_NAMES
     show_default=True,
     help="auto: bfloat16 on GPU, float32 on CPU.",
 )
+@click.option(
+    "--kv-cache-dtype",
+    type=click.Choice(["auto", "fp8"]),
+    default="auto",
+    show_default=True,
+    help="fp8: an e4m3 KV cache (half the bytes of bf16); the roofline counts its bytes.",
+)
+@click.option(
+    "--calibrate-kv-scales",
+    type=int,
+    default=0,
+    show_default=True,
+    help="With --kv-cache-dtype fp8: K/V scales from the first N prompts (the warm-up's).",
+)
 @click.option("--enforce-eager", is_flag=True, help="Never use CUDA graphs.")
 @click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
 @click.option(
@@ -106,6 +120,8 @@ def bench(**kw) -> None:
         engine = EngineConfig(
             model=kw["model_path"] or "<random preset>",
             dtype=kw["dtype"],
+            kv_cache_dtype=kw["kv_cache_dtype"],
+            calibrate_kv_scales=kw["calibrate_kv_scales"],
             device=kw["device"],
             enforce_eager=kw["enforce_eager"],
             enable_prefix_caching=not kw["no_prefix_caching"],

@@ -96,7 +96,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         )
     model = bench.runner.model
     shape = roofline.model_shape(
-        mc, non_embedding_params(model), parameter_bytes(model), bench.runner.dtype.itemsize
+        mc, non_embedding_params(model), parameter_bytes(model), bench.runner.kv_dtype.itemsize
     )
     cost = roofline.workload_cost(shape, w)
     del model  # the peer frees our model; keep no reference here
@@ -122,6 +122,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
             "architecture": mc.architecture,
             "weights": "checkpoint" if opts.model_path else "random normal(0, 0.02), norms 1",
             "dtype": str(bench.runner.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(bench.runner.kv_dtype).removeprefix("torch."),
             "parameters": sum(p.numel() for p in bench.runner.model.parameters()),
             "non_embedding_parameters": shape.non_embedding_params,
             "weight_bytes": shape.weight_bytes,
