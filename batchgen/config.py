@@ -24,6 +24,11 @@ class EngineConfig:
         model: path to a Hugging Face model directory.
         dtype: "auto" (the checkpoint's torch_dtype; float32 on CPU), "bfloat16", "float16",
             "float32".
+        quantization: None, or "fp8": a 16-bit checkpoint's decoder projections quantized at
+            load to FP8 e4m3 (per-output-channel weight scales, activations quantized per token
+            as they enter each projection); lm_head and the embedding stay 16-bit. A checkpoint
+            with a quantization_config (FP8 ones: batchgen.models.quantization) runs as it says
+            with or without this option.
         kv_cache_dtype: "auto" (the activations' dtype) or "fp8" (e4m3: half the bytes of a
             16-bit cache, twice the tokens in the same memory). Each layer's K and V are stored
             divided by a per-layer scale: the checkpoint's (compressed-tensors kv_cache_scheme
@@ -77,6 +82,7 @@ class EngineConfig:
 
     model: str
     dtype: str = "auto"
+    quantization: str | None = None
     kv_cache_dtype: str = "auto"
     calibrate_kv_scales: int = 0
     device: str = "auto"
@@ -102,6 +108,11 @@ class EngineConfig:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ConfigError(
                 f"dtype={short_repr(self.dtype)}: expected one of auto, bfloat16, float16, float32"
+            )
+        if self.quantization not in (None, "fp8"):
+            raise ConfigError(
+                f"quantization={short_repr(self.quantization)}: expected null or fp8 (FP8 "
+                "checkpoints are detected from their quantization_config)"
             )
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ConfigError(

@@ -1,5 +1,6 @@
 """FP8 (e4m3, the `float8_e4m3fn` format: max 448, no infinities) quantization: the rounding every
-kernel that writes FP8 shares, a static-scale quantize kernel, and the torch references.
+kernel that writes FP8 shares, static-scale and dynamic per-row / per-group quantize kernels
+(activations of FP8 GEMMs), and the torch references.
 
 quantize(x, scale) = round_to_e4m3(clamp(x / scale, -448, 448)), the division in fp32 (IEEE),
 the rounding to nearest, ties to even; dequantize(q, scale) = float(q) * scale. Kernels round
@@ -18,6 +19,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # 1.5 * 2^23: adding and subtracting it rounds an fp32 |y| < 2^22 to an integer, ties to even.
 _ROUND_MAGIC = 12582912.0
+# Dynamic scales are max(amax, MIN_AMAX) / 448: an all-zero row gets a tiny scale, not 0 / 0.
+MIN_AMAX = 1e-12
 
 
 @triton.jit
@@ -48,6 +51,76 @@ def _quantize_kernel(x_ptr, out_ptr, scale_ptr, N, BLOCK: tl.constexpr):
     mask = offs < N
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     tl.store(out_ptr + offs, quantize_e4m3(x, tl.load(scale_ptr)), mask=mask)
+
+
+@triton.jit
+def _quantize_groups_kernel(
+    x_ptr, out_ptr, scale_ptr, K, GROUP, NUM_GROUPS, stride_x, stride_o,
+    BLOCK: tl.constexpr, MIN_AMAX_C: tl.constexpr,
+):  # fmt: skip
+    # Program (row m, group g): columns [g * GROUP, min((g + 1) * GROUP, K)) of row m share one
+    # scale max(amax, MIN_AMAX) / 448 (written to scale[m, g]); two passes over BLOCK-wide
+    # chunks, the max then the quantized values. A whole row is one group (per-token scales).
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    lo = g * GROUP
+    hi = tl.minimum(lo + GROUP, K)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + m * stride_x + cols, mask=cols < hi, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), MIN_AMAX_C), 448.0)
+    tl.store(scale_ptr + m * NUM_GROUPS + g, scale)
+    for start in range(lo, hi, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + m * stride_x + cols, mask=cols < hi, other=0.0)
+        tl.store(out_ptr + m * stride_o + cols, quantize_e4m3(x, scale), mask=cols < hi)
+
+
+def quantize_fp8_groups(
+    x: torch.Tensor, group: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic quantization of x [M, K] (rows contiguous, any float dtype) with one scale per row
+    (group None: per token) or per 1 x `group` columns of a row, Triton kernel.
+
+    Returns:
+        (q [M, K] float8_e4m3fn, scales [M, G] float32 with G = 1 or ceil(K / group)), where
+        scale = max(max |x| over the group, MIN_AMAX) / 448 and q = quantize(x, scale).
+    """
+    op = "quantize_fp8_groups"
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"{op}: x must be [M, K] with contiguous rows, got {tuple(x.shape)}")
+    if group is not None and group < 1:
+        raise ValueError(f"{op}: group must be >= 1, got {group}")
+    check_launchable(op, x)
+    M, K = x.shape
+    group = K if group is None else group
+    num_groups = max(1, -(-K // group))
+    out = torch.empty((M, K), dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty((M, num_groups), dtype=torch.float32, device=x.device)
+    if M and K:
+        block = min(1024, 1 << max(group - 1, 0).bit_length())
+        _quantize_groups_kernel[(M, num_groups)](
+            x, out, scales, K, group, num_groups, x.stride(0), out.stride(0),
+            BLOCK=block, MIN_AMAX_C=MIN_AMAX, num_warps=4 if block >= 512 else 1,
+        )  # fmt: skip
+    return out, scales
+
+
+def quantize_fp8_groups_ref(
+    x: torch.Tensor, group: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of quantize_fp8_groups."""
+    M, K = x.shape
+    group = K if group is None else group
+    num_groups = max(1, -(-K // group))
+    xf = torch.nn.functional.pad(x.float(), (0, num_groups * group - K))
+    xf = xf.view(M, num_groups, group)
+    amax = xf.abs().amax(dim=-1).clamp(min=MIN_AMAX)  # [M, G]
+    scales = amax / FP8_MAX
+    q = quantize_fp8_ref(xf, scales[..., None]).view(M, num_groups * group)[:, :K]
+    return q.contiguous(), scales
 
 
 def check_scale(op: str, name: str, scale: torch.Tensor, numel: int = 1) -> None:

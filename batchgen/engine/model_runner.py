@@ -50,7 +50,9 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
-        self.model, _ = load_model(config.model, config.dtype, self.device, config.allow_pickle)
+        self.model, _ = load_model(
+            config.model, config.dtype, self.device, config.allow_pickle, config.quantization
+        )
         self._init(max_model_len)
 
     @classmethod

@@ -215,8 +215,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model.layers[0].norms_folded if len(self.model.layers) else False
 
     def can_fold_norms(self) -> bool:
-        """Folding needs bias-free qkv and gate_up projections: a bias is added after the
-        row scale, which would scale it too."""
+        """Folding needs bias-free qkv and gate_up projections (a bias is added after the
+        row scale, which would scale it too) with 16-bit weights (an FP8 weight times the norm
+        weight would need quantizing again)."""
+        if not self.model.layers or self.model.layers[0].self_attn.qkv_proj.weight.itemsize < 2:
+            return False
         return not (self.config.qkv_bias or self.config.mlp_bias)
 
     @torch.no_grad()
@@ -269,19 +272,21 @@ class LlamaForCausalLM(nn.Module):
             if leaf == "lm_head" and self.config.tie_word_embeddings:
                 continue
             weight = module.weight
+            if weight.itemsize < 2:
+                continue  # FP8: the GEMM takes the TN layout only (row-major [N, K] weights)
             if weight.dim() == 2 and weight.stride(0) != 1:  # not K-major yet
                 weight.data = weight.data.t().contiguous().t()  # [N, K] with strides (1, N)
 
     def projection_groups(self) -> list[tuple[list[torch.Tensor], bool]]:
         """The decoder's projections for layers.linear.tune_projections: per projection, its
         weight in every layer and whether the model adds it into the residual stream (o and
-        down with folded norms). Projections with a bias are left out (torch runs them)."""
+        down with folded norms). Projections with a bias or FP8 weights are left out."""
         groups = []
         for attr, path in (("qkv_proj", "self_attn"), ("o_proj", "self_attn"),
                            ("gate_up_proj", "mlp"), ("down_proj", "mlp")):  # fmt: skip
             mods = [getattr(getattr(layer, path), attr) for layer in self.model.layers]
-            if any(m.bias is not None for m in mods):
-                continue
+            if any(m.bias is not None or m.weight.itemsize < 2 for m in mods):
+                continue  # torch runs biased projections; FP8 ones run their own GEMMs
             accumulate = attr in ("o_proj", "down_proj") and self.norms_folded
             groups.append(([m.weight for m in mods], accumulate))
         return groups

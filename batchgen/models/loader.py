@@ -56,7 +56,7 @@ def load_model(
     """
     config = ModelConfig.from_dir(path)
     device = torch.device(device)
-    plan = load_plan(config, quantization)
+    plan = load_plan(config, quantization, f"{path}/config.json")
     model = build_model(config, resolve_dtype(dtype, config, device), device)
     plan.prepare(model)
     files = find_weight_files(path, allow_pickle)

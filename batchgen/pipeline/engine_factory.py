@@ -70,9 +70,12 @@ def model_limits(job: JobSpec) -> ModelLimits:
     """The limits the engine will check requests against, from config.json (no weights)."""
     from batchgen.models.config import ModelConfig
     from batchgen.models.errors import ModelLoadError
+    from batchgen.models.quantization import load_plan
 
     try:
         mc = ModelConfig.from_dir(job.model.path)
+        # A quantization_config batchgen cannot run fails here, before the weights load.
+        load_plan(mc, job.model.engine_config().quantization, f"{job.model.path}/config.json")
     except ModelLoadError as e:
         raise JobError(f"model.path: {e}") from None
     configured = job.model.engine_config().max_model_len

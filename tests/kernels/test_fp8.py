@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batchgen.kernels.fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8, quantize_fp8_ref
+from batchgen.kernels.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    quantize_fp8,
+    quantize_fp8_groups,
+    quantize_fp8_groups_ref,
+    quantize_fp8_ref,
+)
 
 
 def _values(n: int, seed: int = 0) -> torch.Tensor:
@@ -48,3 +55,31 @@ def test_quantize_rejects_bad_scale(device):
         quantize_fp8(x, torch.ones(2, device=device))
     with pytest.raises(ValueError, match="scale must be 1 contiguous float32"):
         quantize_fp8(x, torch.ones(1, dtype=torch.float64, device=device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "M, K, group", [(1, 64, None), (7, 300, None), (5, 256, 128), (3, 200, 128), (4, 2500, None)]
+)
+def test_quantize_groups_equals_ref(device, dtype, M, K, group):
+    g = torch.Generator().manual_seed(M * K)
+    x = (torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 20).to(dtype).to(device)
+    x[0, : min(K, 130)] = 0  # a zero group (and a zero row when K <= 130)
+    q, s = quantize_fp8_groups(x, group)
+    q_ref, s_ref = quantize_fp8_groups_ref(x, group)
+    num_groups = 1 if group is None else -(-K // group)
+    assert q.shape == (M, K) and s.shape == (M, num_groups) and s.dtype == torch.float32
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_quantize_groups_ref_by_hand():
+    x = torch.tensor([[1.0, -2.0, 448.0, 0.5], [0.0, 0.0, 3.0, -6.0]])
+    q, s = quantize_fp8_groups_ref(x, 2)
+    # Groups of 2: amax 2 / 448, 448 / 448; 0 -> MIN_AMAX / 448, 6 / 448.
+    assert s.flatten().tolist() == pytest.approx([2 / 448, 1.0, 1e-12 / 448, 6 / 448])
+    deq = q.float() * s.repeat_interleave(2, dim=1)
+    assert deq[0].tolist() == pytest.approx([1.0, -2.0, 448.0, 0.5], rel=2**-4)
+    assert deq[1, 3].item() == pytest.approx(-6.0) and deq[1, :2].tolist() == [0.0, 0.0]
+    q_row, s_row = quantize_fp8_groups_ref(x)  # per token: one scale a row
+    assert s_row.flatten().tolist() == pytest.approx([1.0, 6 / 448])
