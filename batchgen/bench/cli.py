@@ -53,6 +53,13 @@ from batchgen.models.presets import PRESET_NAMES
     help="auto: bfloat16 on GPU, float32 on CPU.",
 )
 @click.option(
+    "--quantization",
+    type=click.Choice(["fp8"]),
+    default=None,
+    help="fp8: the decoder's projections in FP8 e4m3 (online, per-channel weights, per-token "
+    "activations); an FP8 checkpoint (--model) is detected without it.",
+)
+@click.option(
     "--kv-cache-dtype",
     type=click.Choice(["auto", "fp8"]),
     default="auto",
@@ -120,6 +127,7 @@ def bench(**kw) -> None:
         engine = EngineConfig(
             model=kw["model_path"] or "<random preset>",
             dtype=kw["dtype"],
+            quantization=kw["quantization"],
             kv_cache_dtype=kw["kv_cache_dtype"],
             calibrate_kv_scales=kw["calibrate_kv_scales"],
             device=kw["device"],
@@ -133,6 +141,10 @@ def bench(**kw) -> None:
         )
     except ConfigError as e:
         raise click.BadParameter(str(e)) from None
+    if kw["peer"] and kw["quantization"]:
+        raise click.BadParameter(
+            "--peer hf runs transformers on 16-bit weights; run it without --quantization"
+        )
     for name in ("repeat", "peer_repeat", "num_prompts", "max_output_tokens"):
         if kw[name] is not None and kw[name] < 1:
             raise click.BadParameter(f"--{name.replace('_', '-')} must be >= 1")

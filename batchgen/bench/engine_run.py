@@ -17,6 +17,7 @@ from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.model_runner import ModelRunner, resolve_device
 from batchgen.models.config import ModelConfig
 from batchgen.models.loader import resolve_dtype
+from batchgen.models.quantization.fp8_plan import quantize_model_fp8
 from batchgen.sampling_params import SamplingParams
 
 PRESET_MODEL = "<random preset>"  # EngineConfig.model of a preset run (never read from disk)
@@ -43,7 +44,8 @@ class Bench:
 def build_bench(
     config: EngineConfig, preset: str | None, model_path: str | None, max_model_len: int
 ) -> Bench:
-    """Load `model_path`, or build `preset` with random weights directly on the device."""
+    """Load `model_path`, or build `preset` with random weights directly on the device (then
+    quantized to FP8 with config.quantization fp8)."""
     if model_path is not None:
         engine = LLMEngine(replace(config, model=model_path, max_model_len=max_model_len))
         return Bench(engine.config, engine.runner, None, model_path)
@@ -51,6 +53,8 @@ def build_bench(
     mc = ModelConfig.from_dict(preset_config(preset), source=f"preset {preset}")
     dtype = resolve_dtype(config.dtype, mc, device)
     model, raw = build_random_model(preset, dtype, device, seed=config.seed)
+    if config.quantization == "fp8":  # online FP8 of the random weights, as a checkpoint's
+        quantize_model_fp8(model)
     config = replace(config, model=PRESET_MODEL, max_model_len=max_model_len)
     runner = ModelRunner.from_model(config, model, max_model_len)
     return Bench(config, runner, raw, None)

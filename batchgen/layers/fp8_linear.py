@@ -20,7 +20,7 @@ from batchgen.kernels.fp8 import (
     quantize_fp8_groups_ref,
     quantize_fp8_ref,
 )
-from batchgen.kernels.fp8_gemm import dequantize_blocks_ref, fp8_block_gemm
+from batchgen.kernels.fp8_gemm import dequantize_blocks_ref, fp8_block_gemm, fp8_rowwise_gemm
 
 WEIGHT_STRATEGIES = ("channel", "block")
 ACTIVATION_STRATEGIES = (None, "token", "tensor", "group")
@@ -120,13 +120,16 @@ def fp8_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = No
 
 
 def _scaled_mm(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None) -> torch.Tensor:
-    """Per-channel weights: x quantized per token (or with the static scale), one cuBLASLt FP8
-    GEMM with row-wise scales ([M, 1] for x, [1, N] for the weight), bias added after."""
+    """Per-channel weights: x quantized per token (or with the static scale), one FP8 GEMM with
+    row-wise scales ([M, 1] for x, [N] for the weight): cuBLASLt's (torch._scaled_mm) for bf16
+    activations, which is all its row-wise FP8 takes, the Triton kernel for fp16 / fp32."""
     if layer.scheme.activation == "token":
         x_q, x_s = quantize_fp8_groups(x)  # [M, K] e4m3, [M, 1]
     else:
         x_q = quantize_fp8(x, layer.input_scale)
         x_s = layer.input_scale.expand(x.shape[0], 1).contiguous()
+    if x.dtype != torch.bfloat16:
+        return fp8_rowwise_gemm(x_q, x_s, layer.weight, layer.weight_scale, x.dtype, bias)
     y = torch._scaled_mm(
         x_q,
         layer.weight.t(),  # [K, N], column-major: the TN layout FP8 GEMMs need on Hopper

@@ -59,6 +59,18 @@ def test_fp8_kv_cache_smoke_counts_fp8_bytes(tmp_path):
     assert fp8["result"]["output_tokens"] == plain["result"]["output_tokens"]
 
 
+def test_fp8_weights_smoke(tmp_path):
+    args = ("--workload", "nano", "--num-prompts", "2")
+    plain = _run(tmp_path, *args)
+    fp8 = _run(tmp_path, *args, "--quantization", "fp8", "--kv-cache-dtype", "fp8")
+    assert fp8["engine_config"]["quantization"] == "fp8"
+    # The projections' weights are 1 byte instead of 4 (CPU float32), plus a scale per row.
+    assert fp8["model"]["weight_bytes"] < plain["model"]["weight_bytes"] * 0.6
+    assert fp8["result"]["output_tokens"] == plain["result"]["output_tokens"]
+    result = CliRunner().invoke(bench, [*SMOKE, "--quantization", "fp8", "--peer", "hf"])
+    assert result.exit_code == 2 and "without --quantization" in result.output
+
+
 def test_shared_prefix_smoke_runs_caching_off(tmp_path):
     report = _run(tmp_path, "--workload", "shared-prefix", "--num-prompts", "16")
     off = report["prefix_caching_off"]

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from batchgen.kernels.fp8 import quantize_fp8_groups_ref, quantize_fp8_ref
-from batchgen.kernels.fp8_gemm import fp8_block_gemm, fp8_block_gemm_ref
+from batchgen.kernels.fp8_gemm import (
+    fp8_block_gemm,
+    fp8_block_gemm_ref,
+    fp8_rowwise_gemm,
+    fp8_rowwise_gemm_ref,
+)
 
 
 def _weight(N: int, K: int, block=(128, 128), seed: int = 0):
@@ -76,3 +81,34 @@ def test_block_gemm_realistic(close, M):
         x_q, x_s, w_q, w_s, _ = _case(M, N, 4096, "cuda")
         y = fp8_block_gemm(x_q, x_s, w_q, w_s, torch.bfloat16)
         close(y, fp8_block_gemm_ref(x_q, x_s, w_q, w_s, torch.bfloat16), torch.bfloat16, scale=2)
+
+
+def _rowwise_case(M, N, K, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x_q, x_s = quantize_fp8_groups_ref(torch.randn(M, K, generator=g) * 5)
+    w = torch.randn(N, K, generator=g)
+    w_s = w.abs().amax(dim=1) / 448
+    w_q = quantize_fp8_ref(w, w_s[:, None])
+    return tuple(t.to(device) for t in (x_q, x_s, w_q, w_s))
+
+
+@pytest.mark.parametrize("M, N, K", [(1, 32, 64), (19, 176, 64), (8, 64, 300)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_rowwise_gemm_matches_ref(device, close, M, N, K, out_dtype):
+    x_q, x_s, w_q, w_s = _rowwise_case(M, N, K, device)
+    bias = torch.randn(N, device=device)
+    y = fp8_rowwise_gemm(x_q, x_s, w_q, w_s, out_dtype, bias)
+    close(y, fp8_rowwise_gemm_ref(x_q, x_s, w_q, w_s, out_dtype, bias), out_dtype, scale=10)
+    x = x_q.float().cpu() * x_s.cpu()  # the reference, written out: dequantize, then multiply
+    w = w_q.float().cpu() * w_s.cpu()[:, None]
+    torch.testing.assert_close(
+        fp8_rowwise_gemm_ref(x_q, x_s, w_q, w_s, torch.float32).cpu(), x @ w.t()
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 256, 2048])
+def test_rowwise_gemm_realistic(close, M):
+    x_q, x_s, w_q, w_s = _rowwise_case(M, 14336, 4096, "cuda")
+    y = fp8_rowwise_gemm(x_q, x_s, w_q, w_s, torch.float16)
+    close(y, fp8_rowwise_gemm_ref(x_q, x_s, w_q, w_s, torch.float16), torch.float16, scale=4)

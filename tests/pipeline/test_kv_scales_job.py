@@ -105,3 +105,15 @@ def test_bad_kv_options_fail_before_the_model_loads(workspace):
         load_job(str(job_file(root, model, kv_cache_dtype="int8")))
     with pytest.raises(JobError, match=r"calibrate_kv_scales=8: needs kv_cache_dtype fp8"):
         load_job(str(job_file(root, model, kv_cache_dtype="auto")))
+
+
+def test_quantization_is_a_numeric_option_of_the_fingerprint(workspace):
+    from batchgen.pipeline.fingerprint import fingerprint_parts
+
+    root, model, _ = workspace
+    base = dict(kv_cache_dtype="auto", calibrate_kv_scales=0)
+    plain = fingerprint_parts(load_job(str(job_file(root, model, **base))), [])
+    fp8 = fingerprint_parts(load_job(str(job_file(root, model, **base, quantization="fp8"))), [])
+    assert plain["model"] != fp8["model"] and plain["prompt"] == fp8["prompt"]
+    faster = fingerprint_parts(load_job(str(job_file(root, model, **base, max_num_seqs=4))), [])
+    assert faster == plain  # speed-only options stay out
