@@ -235,8 +235,17 @@ def make_model(arch, preset, seed, steps, out_dir) -> None:
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
               default="auto", show_default=True)  # fmt: skip
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--quantization", type=click.Choice(["fp8"]), default=None,
+              help="fp8: the projections quantized to FP8 at load (online).")  # fmt: skip
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto",
+              show_default=True)  # fmt: skip
+@click.option("--calibrate-kv-scales", type=int, default=0, show_default=True,
+              help="With --kv-cache-dtype fp8: K/V scales from the first N windows.")  # fmt: skip
 @click.option("--json", "json_out", default=None, help="Also write the numbers to this file.")
-def perplexity(model, text_file, context, stride, dtype, device, json_out) -> None:
+def perplexity(
+    model, text_file, context, stride, dtype, device, quantization, kv_cache_dtype,
+    calibrate_kv_scales, json_out,
+) -> None:  # fmt: skip
     """Sliding-window perplexity of MODEL on TEXT_FILE (UTF-8, read as one text).
 
     Windows of --context tokens start every --stride tokens; each scores the tokens past the
@@ -257,7 +266,15 @@ def perplexity(model, text_file, context, stride, dtype, device, json_out) -> No
     except OSError as e:
         _fail(f"{text_file}: cannot read ({e.strerror})")
     try:
-        llm = LLM(model, dtype=dtype, device=device, max_model_len=context)
+        llm = LLM(
+            model,
+            dtype=dtype,
+            device=device,
+            max_model_len=context,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
+            calibrate_kv_scales=calibrate_kv_scales,
+        )
     except (ModelLoadError, ConfigError) as e:
         _fail(f"{model}: {e}")
     try:
@@ -273,6 +290,9 @@ def perplexity(model, text_file, context, stride, dtype, device, json_out) -> No
         "context": context,
         "stride": stride,
         "dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
+        "quantization": quantization,
+        "kv_cache_dtype": kv_cache_dtype,
+        "kv_scales": llm.engine.kv_scales() if kv_cache_dtype == "fp8" else None,
         "perplexity": out.perplexity,
         "nll": out.nll,
         "num_tokens": out.num_tokens,

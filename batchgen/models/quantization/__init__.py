@@ -8,6 +8,7 @@ then `plan.finish(model)` (online quantization, K/V scales).
 
 from __future__ import annotations
 
-from batchgen.models.quantization.plan import LoadPlan, load_plan
+from batchgen.models.quantization.plan import LoadPlan
+from batchgen.models.quantization.resolve import load_plan
 
 __all__ = ["LoadPlan", "load_plan"]

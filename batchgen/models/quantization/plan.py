@@ -1,5 +1,5 @@
-"""LoadPlan: the steps the loader runs around loading the weights, chosen from the checkpoint's
-quantization_config and the `quantization` option."""
+"""LoadPlan: the steps the loader runs around loading the weights (the base: plain weights, K/V
+scales taken from the stream)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from batchgen.models.config import ModelConfig
-from batchgen.models.errors import ModelLoadError
 from batchgen.models.quantization.kv_scales import CheckpointKVScales
 
 
@@ -29,25 +27,3 @@ class LoadPlan:
     def finish(self, model: nn.Module) -> None:
         """After every weight is loaded."""
         self.kv_scales.apply(model)
-
-
-def load_plan(
-    config: ModelConfig, quantization: str | None = None, source: str = "config.json"
-) -> LoadPlan:
-    """The plan for `config`'s checkpoint and the `quantization` option (None or "fp8"): the
-    checkpoint's own FP8 scheme when it has a quantization_config (already FP8, so the option
-    changes nothing), else online FP8 when asked, else plain loading.
-
-    Raises:
-        ModelLoadError: a quantization_config batchgen does not run, naming what it found and
-            what is supported.
-    """
-    from batchgen.models.quantization.fp8_plan import CheckpointFp8Plan, OnlineFp8Plan
-    from batchgen.models.quantization.schemes import parse
-
-    if quantization not in (None, "fp8"):
-        raise ModelLoadError(f"quantization={quantization!r}: expected null or fp8")
-    if config.quantization_config:
-        scheme = parse(config.quantization_config, source)
-        return CheckpointFp8Plan(scheme, source) if scheme.groups else LoadPlan()
-    return OnlineFp8Plan() if quantization == "fp8" else LoadPlan()
