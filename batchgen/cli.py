@@ -1,5 +1,5 @@
-"""The `batchgen` command line: run, validate, status, make-model, perplexity (and bench when
-present)."""
+"""The `batchgen` command line: run, validate, status, make-model (and bench when present;
+perplexity from batchgen/perplexity_cli.py)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,43 @@ import importlib.util
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import click
 
 from batchgen.job import JobError, load_job
-from batchgen.pipeline.signals import EX_TEMPFAIL, GracefulStop, StopFlag
+from batchgen.perplexity_cli import perplexity
+from batchgen.pipeline.exit_codes import (
+    EX_TEMPFAIL,
+    EXIT_ABORTED,
+    EXIT_BAD_JOB,
+    EXIT_OK,
+    EXIT_ROW_ERRORS,
+    describe_failure,
+)
+from batchgen.pipeline.signals import GracefulStop, StopFlag
 
-EXIT_OK, EXIT_ROW_ERRORS, EXIT_BAD_JOB = 0, 1, 2
 
-
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = EXIT_BAD_JOB) -> None:
     click.echo(f"error: {message}", err=True)
-    sys.exit(EXIT_BAD_JOB)
+    sys.exit(code)
+
+
+@contextmanager
+def _exit_codes() -> Iterator[None]:
+    """Every way a command can end becomes its exit code (pipeline/exit_codes.py) and one
+    clear line on stderr: a bad job 2, OS errors by errno (2 or 74), anything unforeseen 70
+    with its traceback in a crash report, a second Ctrl-C 130. Never a bare traceback."""
+    try:
+        yield
+    except JobError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted twice: stopped at once; committed shards are kept", EXIT_ABORTED)
+    except Exception as e:  # the last resort: the exception is what the message names
+        code, message = describe_failure(e)
+        _fail(message, code)
 
 
 def _default_shard() -> str | None:
@@ -45,7 +70,20 @@ def _default_shard() -> str | None:
     return f"{offset // step}/{n}"
 
 
+def _version() -> str:
+    """The installed distribution's version (a plain checkout on PYTHONPATH: the package's)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("batchgen")
+    except PackageNotFoundError:
+        from batchgen import __version__
+
+        return __version__
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(version=_version(), prog_name="batchgen", message="%(prog)s %(version)s")
 def main() -> None:
     """batchgen: offline batch LLM generation; jobs in, sharded resumable Parquet out."""
 
@@ -59,18 +97,15 @@ _set_option = click.option(
 )
 
 
-@main.command()
-@click.argument("job_file", type=click.Path(dir_okay=False))
-@_set_option
-@click.option(
-    "--overwrite", is_flag=True, help="Discard outputs of a different job in output.path."
+_overwrite_option = click.option(
+    "--overwrite", is_flag=True, help="Discard outputs of a different job in the output path."
 )
-@click.option(
+_strict_option = click.option(
     "--strict",
     is_flag=True,
     help="Exit 1 if any row of this task's shards ended as an error record.",
 )
-@click.option(
+_shard_option = click.option(
     "--shard",
     "shard",
     metavar="I/N",
@@ -78,53 +113,71 @@ _set_option = click.option(
     help="Process only shards k with k % N == I (default: from SLURM_ARRAY_TASK_ID/"
     "SLURM_ARRAY_TASK_COUNT, else all).",
 )
-@click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a tty).")
+_progress_option = click.option(
+    "--progress/--no-progress", default=None, help="Progress bar (default: on a tty)."
+)
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+@_overwrite_option
+@_strict_option
+@_shard_option
+@_progress_option
 def run(job_file, overrides, overwrite, strict, shard, progress) -> None:
     """Run JOB_FILE: generate for every input row and commit sharded output.
 
     Exit codes: 0 done (row errors are counted, not fatal), 1 row errors in this task's shards
-    with --strict, 2 bad job or usage, 75 interrupted by SIGTERM/SIGUSR1/SIGINT (run again to
-    resume).
+    with --strict, 2 bad job, model, input, usage or a permission error on a path, 70 internal
+    error (traceback in a crash report), 74 I/O error such as a full disk, 75 interrupted by
+    SIGTERM/SIGUSR1/SIGINT (run again to resume), 130 a second SIGINT.
     """
+    _run_job(lambda: load_job(job_file, overrides), shard, overwrite, strict, progress)
+
+
+def _run_job(make_job, shard, overwrite, strict, progress, finish=None) -> None:
+    """Build the job with `make_job()`, run this task's shards, report and exit; `finish(job,
+    result)` runs once the whole job is complete (before the report)."""
     # Stop signals are caught from here, before torch is imported (about a second), to the
     # command's end: a Slurm preemption while the run starts up exits 75 (requeue), not -15,
     # and one after the run has finished changes nothing.
     stop = StopFlag()
-    with GracefulStop(stop):
+    with GracefulStop(stop), _exit_codes():
         from batchgen.pipeline.runner import Runner
         from batchgen.pipeline.sharding import ShardSelector
 
-        try:
-            job = load_job(job_file, overrides)
-            selector = ShardSelector.parse(shard or _default_shard() or "0/1")
-            show = sys.stderr.isatty() if progress is None else progress
-            if stop.is_set():  # stopped while starting up: nothing was written yet
-                click.echo(
-                    f"interrupted by {stop.signal_name} before the run started; run the same "
-                    f"command again (exit {EX_TEMPFAIL})"
-                )
-                sys.exit(EX_TEMPFAIL)
-            result = Runner(
-                job,
-                shard=selector,
-                overwrite=overwrite,
-                progress=show,
-                log=lambda m: click.echo(m, err=True),
-                stop=stop,
-            ).run()
-        except JobError as e:
-            _fail(str(e))
-        _report(result, job, selector, strict)
+        job = make_job()
+        selector = ShardSelector.parse(shard or _default_shard() or "0/1")
+        show = sys.stderr.isatty() if progress is None else progress
+        if stop.is_set():  # stopped while starting up: nothing was written yet
+            click.echo(
+                f"interrupted by {stop.signal_name} before the run started; run the same "
+                f"command again (exit {EX_TEMPFAIL})"
+            )
+            sys.exit(EX_TEMPFAIL)
+        result = Runner(
+            job,
+            shard=selector,
+            overwrite=overwrite,
+            progress=show,
+            log=lambda m: click.echo(m, err=True),
+            stop=stop,
+        ).run()
+        extra = finish(job, result) if finish is not None and result.complete else []
+        _report(result, job, selector, strict, extra)
 
 
-def _report(result, job, selector, strict: bool) -> None:
-    """Print a finished or stopped run's summary and exit with its code."""
+def _report(result, job, selector, strict: bool, extra: list[str] = ()) -> None:
+    """Print a finished or stopped run's summary (then `extra` lines) and exit with its code."""
     for line in result.lines:
         click.echo(line)
     if result.exit_code == EX_TEMPFAIL:
         sys.exit(EX_TEMPFAIL)
     if result.complete:
         click.echo(f"done: {job.output.path}/_SUCCESS written")
+    for line in extra:
+        click.echo(line)
     # The task's own rows: another task's errors are that task's to report (and exit 1 on).
     errors = result.task_totals["errors"]
     if errors:
@@ -135,6 +188,73 @@ def _report(result, job, selector, strict: bool) -> None:
     sys.exit(EXIT_ROW_ERRORS if strict and errors else EXIT_OK)
 
 
+@main.command("run-batch")
+@click.option("-i", "--input-file", required=True, help="OpenAI batch file (or Parquet/JSONL).")
+@click.option("-o", "--output-file", required=True, help="The one file to write when done.")
+@click.option("--model", required=True, help="Model directory or hub repo id (ORG/NAME).")
+@click.option("--revision", default=None, help="Branch, tag or commit of a hub repo id.")
+@click.option(
+    "--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default=None
+)
+@click.option("--max-model-len", type=int, default=None, help="Longest prompt + output.")
+@click.option(
+    "--prompt-template",
+    default=None,
+    help="Prompt from a Parquet/JSONL row's columns, e.g. 'Summarize: {text}'.",
+)
+@click.option("--prompt-column", default=None, help="Use this column as the prompt as it is.")
+@click.option("--chat", is_flag=True, help="Send the prompt as a user message (chat template).")
+@_set_option
+@_overwrite_option
+@_strict_option
+@_shard_option
+@_progress_option
+def run_batch(
+    input_file,
+    output_file,
+    model,
+    revision,
+    dtype,
+    max_model_len,
+    prompt_template,
+    prompt_column,
+    chat,
+    overrides,
+    overwrite,
+    strict,
+    shard,
+    progress,
+) -> None:
+    """Run an OpenAI batch file (or Parquet/JSONL with --prompt-template) into OUTPUT_FILE.
+
+    Resumable: state lives in OUTPUT_FILE.parts/ (a sharded output directory; run the same
+    command again to resume). When every shard is done, OUTPUT_FILE is written in input order
+    (OpenAI batch output lines, or Parquet for *.parquet), request errors also into
+    OUTPUT_FILE's .errors.jsonl. Exit codes as for `batchgen run`.
+    """
+    from batchgen.pipeline.run_batch import BatchArgs, assemble, build_job
+
+    args = BatchArgs(
+        input_file,
+        output_file,
+        model,
+        revision,
+        dtype,
+        max_model_len,
+        prompt_template,
+        prompt_column,
+        chat,
+        tuple(overrides),
+    )
+
+    def finish(job, result) -> list[str]:
+        errors, errors_file = assemble(job, output_file, result.num_shards)
+        also = f"; {errors} request error(s) also in {errors_file}" if errors_file else ""
+        return [f"wrote {output_file}{also}"]
+
+    _run_job(lambda: build_job(args), shard, overwrite, strict, progress, finish)
+
+
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @_set_option
@@ -142,10 +262,8 @@ def validate(job_file, overrides) -> None:
     """Check JOB_FILE and every input row without a GPU: counts, token lengths, failing rows."""
     from batchgen.pipeline.validate import validate as run_validate
 
-    try:
+    with _exit_codes():
         report = run_validate(load_job(job_file, overrides))
-    except JobError as e:
-        _fail(str(e))
     click.echo(f"job {job_file}: ok")
     for line in report.lines():
         click.echo(line)
@@ -188,7 +306,11 @@ def status(out_dir) -> None:
 
 
 @main.command("make-model")
-@click.option("--arch", type=click.Choice(["llama", "qwen2", "qwen3", "mistral"]), required=True)
+@click.option(
+    "--arch",
+    type=click.Choice(["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"]),
+    required=True,
+)
 @click.option(
     "--preset",
     default="tiny",
@@ -227,92 +349,13 @@ def make_model(arch, preset, seed, steps, out_dir) -> None:
     click.echo(f"wrote {arch}/{preset} model to {out_dir}")
 
 
-@main.command()
-@click.argument("model", type=click.Path(file_okay=False))
-@click.argument("text_file", type=click.Path(dir_okay=False))
-@click.option("--context", default=2048, show_default=True, help="Most tokens in a window.")
-@click.option("--stride", default=512, show_default=True, help="Tokens between window starts.")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
-              default="auto", show_default=True)  # fmt: skip
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--quantization", type=click.Choice(["fp8"]), default=None,
-              help="fp8: the projections quantized to FP8 at load (online).")  # fmt: skip
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto",
-              show_default=True)  # fmt: skip
-@click.option("--calibrate-kv-scales", type=int, default=0, show_default=True,
-              help="With --kv-cache-dtype fp8: K/V scales from the first N windows.")  # fmt: skip
-@click.option("--json", "json_out", default=None, help="Also write the numbers to this file.")
-def perplexity(
-    model, text_file, context, stride, dtype, device, quantization, kv_cache_dtype,
-    calibrate_kv_scales, json_out,
-) -> None:  # fmt: skip
-    """Sliding-window perplexity of MODEL on TEXT_FILE (UTF-8, read as one text).
-
-    Windows of --context tokens start every --stride tokens; each scores the tokens past the
-    previous window's end (Hugging Face's strided recipe: every token after the first is scored
-    once, with at least context - stride tokens before it).
-    """
-    from batchgen.config import ConfigError
-    from batchgen.llm import LLM
-    from batchgen.models.errors import ModelLoadError
-    from batchgen.plan.perplexity import check_window_args
-
-    try:
-        check_window_args(context, stride)
-        with open(text_file, encoding="utf-8") as f:
-            text = f.read()
-    except ValueError as e:
-        _fail(f"{text_file}: {e}" if isinstance(e, UnicodeDecodeError) else str(e))
-    except OSError as e:
-        _fail(f"{text_file}: cannot read ({e.strerror})")
-    try:
-        llm = LLM(
-            model,
-            dtype=dtype,
-            device=device,
-            max_model_len=context,
-            quantization=quantization,
-            kv_cache_dtype=kv_cache_dtype,
-            calibrate_kv_scales=calibrate_kv_scales,
-        )
-    except (ModelLoadError, ConfigError) as e:
-        _fail(f"{model}: {e}")
-    try:
-        show = sys.stderr.isatty()
-        out = llm.perplexity([text], context=context, stride=stride, use_tqdm=show)[0]
-    except ValueError as e:  # a context past the model's max_position_embeddings
-        _fail(f"{model}: {e}")
-    if out.error is not None:
-        _fail(f"{text_file}: {out.error}")
-    record = {
-        "model": model,
-        "text_file": text_file,
-        "context": context,
-        "stride": stride,
-        "dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
-        "quantization": quantization,
-        "kv_cache_dtype": kv_cache_dtype,
-        "kv_scales": llm.engine.kv_scales() if kv_cache_dtype == "fp8" else None,
-        "perplexity": out.perplexity,
-        "nll": out.nll,
-        "num_tokens": out.num_tokens,
-        "num_windows": out.num_windows,
-    }
-    if json_out:
-        with open(json_out, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=2)
-            f.write("\n")
-    click.echo(
-        f"perplexity {out.perplexity:.4f} over {out.num_tokens} tokens "
-        f"({out.num_windows} windows of <= {context} tokens, stride {stride})"
-    )
-
-
 # `batchgen bench` lives in batchgen/bench/cli.py; registered only when that module exists.
 if importlib.util.find_spec("batchgen.bench.cli") is not None:
     from batchgen.bench.cli import bench
 
     main.add_command(bench)
+
+main.add_command(perplexity)
 
 
 if __name__ == "__main__":

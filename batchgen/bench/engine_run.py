@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from batchgen.bench.gpu_power import PowerSampler, device_uuid
-from batchgen.bench.random_model import build_random_model, preset_config
+from batchgen.bench.random_model import RandomPreset, build_random_model, preset_config
 from batchgen.bench.timing import timed
 from batchgen.bench.workloads import Workload, warmup_workload
 from batchgen.config import EngineConfig
@@ -17,7 +17,7 @@ from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.model_runner import ModelRunner, resolve_device
 from batchgen.models.config import ModelConfig
 from batchgen.models.loader import resolve_dtype
-from batchgen.models.quantization.fp8_plan import quantize_model_fp8
+from batchgen.models.quantization import load_plan
 from batchgen.sampling_params import SamplingParams
 
 PRESET_MODEL = "<random preset>"  # EngineConfig.model of a preset run (never read from disk)
@@ -45,17 +45,25 @@ def build_bench(
     config: EngineConfig, preset: str | None, model_path: str | None, max_model_len: int
 ) -> Bench:
     """Load `model_path`, or build `preset` with random weights directly on the device (then
-    quantized to FP8 with config.quantization fp8)."""
+    quantized to FP8 with config.quantization fp8).
+
+    Raises:
+        ModelLoadError: the preset cannot take config.quantization (before anything is built).
+    """
     if model_path is not None:
         engine = LLMEngine(replace(config, model=model_path, max_model_len=max_model_len))
         return Bench(engine.config, engine.runner, None, model_path)
     device = resolve_device(config.device)
-    mc = ModelConfig.from_dict(preset_config(preset), source=f"preset {preset}")
+    raw = preset_config(preset)
+    mc = ModelConfig.from_dict(raw, source=f"preset {preset}")
+    plan = load_plan(mc, config.quantization, f"--model-preset {preset}")  # refusals first
     dtype = resolve_dtype(config.dtype, mc, device)
-    model, raw = build_random_model(preset, dtype, device, seed=config.seed)
-    if config.quantization == "fp8":  # online FP8 of the random weights, as a checkpoint's
-        quantize_model_fp8(model)
     config = replace(config, model=PRESET_MODEL, max_model_len=max_model_len)
+    if config.tensor_parallel_size > 1:  # every rank builds its share on its own GPU
+        build = RandomPreset(preset, dtype, config.seed, config.quantization)
+        return Bench(config, ModelRunner(config, mc, max_model_len, build=build), raw, None)
+    model, raw = build_random_model(preset, dtype, device, seed=config.seed)
+    plan.finish(model)  # online FP8 of the random weights with quantization fp8
     runner = ModelRunner.from_model(config, model, max_model_len)
     return Bench(config, runner, raw, None)
 
@@ -76,6 +84,9 @@ class RunResult:
     # The GPU during the timed run (gpu_power.summarize), {"error": why} where it could not be
     # sampled on CUDA, None off CUDA.
     gpu: dict[str, Any] | None = None
+    # Mixture-of-experts models: experts the steps' real tokens reached, summed over steps and
+    # sparse layers (the MoE roofline's expert reads); None for dense models.
+    experts_touched: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -122,6 +133,8 @@ def run_engine(bench: Bench, w: Workload, warmup: int = 16, **overrides: Any) ->
     if warmup:
         warm_up(engine, w, warmup)
     before = dataclasses.replace(engine.stats)
+    counter = getattr(bench.runner.model, "expert_counter", None)
+    touched_before = counter.read() if counter is not None else 0
 
     def go() -> int:
         submit(engine, w, "")
@@ -144,4 +157,5 @@ def run_engine(bench: Bench, w: Workload, warmup: int = 16, **overrides: Any) ->
         steps=s.num_steps - before.num_steps,
         errors=errors,
         gpu=gpu,
+        experts_touched=counter.read() - touched_before if counter is not None else None,
     )

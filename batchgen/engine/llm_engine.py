@@ -120,6 +120,11 @@ class LLMEngine:
         )
 
     def _check_idle(self, what: str) -> None:
+        if getattr(self.runner, "tp", None) is not None:
+            raise RuntimeError(
+                f"{what}: not supported with tensor parallel yet (every rank would need the "
+                "scales); the checkpoint's K/V scales, or 1.0, are used"
+            )
         # Blocks already in the cache (and the prefix cache) hold K/V quantized with the old
         # scales: scales change only on an engine that has not run a step.
         if self.stats.num_steps or self._inflight is not None:
@@ -127,6 +132,12 @@ class LLMEngine:
                 f"{what}: this engine has run steps whose cached K/V used the old scales; set "
                 "the scales on a fresh engine, before its first step"
             )
+
+    def shutdown(self) -> None:
+        """Release the engine's other processes now (tensor parallel: stop the worker ranks,
+        leave the process group); also done when the engine is collected or the interpreter
+        exits. The engine cannot step afterwards."""
+        self.runner.shutdown()
 
     # ---- requests in ---------------------------------------------------------------------
     def add_request(

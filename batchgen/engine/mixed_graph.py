@@ -37,14 +37,14 @@ from batchgen.layers.context import AttentionContext
 # Mixed graphs' decode buckets past 16 rows are the multiples of this many rows (the decode
 # graphs' step by 16 from 16). With P = 128 a bucket's rows plus the chunk's are then a multiple
 # of 32, and the padding rows, which carry prompt tokens (RIDE_PADDING_ROWS), are up to 31.
-# llama3.1-8b nano on the H100 (twenty-seventh session, same-process A/B over 8 builds each):
+# llama3.1-8b nano on the H100 (2026-11-24, baee805, same-process A/B over 8 builds each):
 # 14.13 s median against 14.21 s with buckets every 8 (padding up to 7), and 14.25 s with
 # multiples of 64. Every 8 had beaten every 16 by 0.3% before padding rows carried prompts.
 MIXED_BUCKET_STEP = 32
 
 
 # Prompt tokens past P ride in a mixed step's padding decode rows (riding_rows); 0 leaves those
-# rows empty, as before the twentieth session (for A/B runs).
+# rows empty, as before b749dde (for A/B runs).
 RIDE_PADDING_ROWS = 1
 
 

@@ -53,13 +53,23 @@ def commit(tmp: str, final: str) -> None:
 
 
 def write_bytes(final: str, data: bytes) -> None:
-    """Atomically replace `final` with `data`."""
+    """Atomically replace `final` with `data`. An OSError names the file (see named)."""
     tmp = temp_path(final)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
         commit(tmp, final)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise named(e, final) from e
         raise
+
+
+def named(e: OSError, path: str) -> OSError:
+    """`e` if it names a file, else the same error naming `path`: a failed write() or fsync
+    (a full disk) names none, and the message a user sees must say where."""
+    if e.filename is not None:
+        return e
+    return OSError(e.errno, e.strerror or str(e), path)  # the errno's subclass, e.g. ENOSPC

@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from batchgen.io import atomic
+from batchgen.job import JobError
 
 JOB_FILE = "_job.json"
 MANIFEST_DIR = "_manifest"
@@ -38,12 +39,52 @@ _TEMP = re.compile(
 
 
 def _read_json(path: str) -> dict | None:
+    """A JSON object batchgen wrote, or None; a symlink is never followed (O_NOFOLLOW):
+    batchgen creates none, so one in the output directory is someone else's."""
     try:
-        with open(path, encoding="utf-8") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with open(fd, encoding="utf-8") as f:
             obj = json.load(f)
         return obj if isinstance(obj, dict) else None
     except (OSError, ValueError):
         return None
+
+
+def planted_links(out_dir: str) -> list[str]:
+    """Symlinks among the names batchgen reads and writes in out_dir (and in its _manifest/):
+    batchgen creates none, and following one would read or write outside the directory."""
+    found = []
+    if not os.path.isdir(out_dir):
+        return found
+    for name in os.listdir(out_dir):
+        path = os.path.join(out_dir, name)
+        if (name == MANIFEST_DIR or _written_by_batchgen(name)) and os.path.islink(path):
+            found.append(path)
+    d = os.path.join(out_dir, MANIFEST_DIR)
+    if os.path.isdir(d) and not os.path.islink(d):
+        for name in os.listdir(d):
+            path = os.path.join(d, name)
+            if (_ENTRY.match(name) or _TEMP.match(name)) and os.path.islink(path):
+                found.append(path)
+    return sorted(found)
+
+
+def check_no_links(out_dir: str) -> None:
+    """Raise JobError naming any symlink planted where batchgen reads or writes."""
+    links = planted_links(out_dir)
+    if links:
+        shown = ", ".join(links[:4]) + (" ..." if len(links) > 4 else "")
+        raise JobError(
+            f"output.path: {shown} is a symlink, which batchgen never creates and does not "
+            "follow inside its output directory; remove it (the file it points to is not "
+            "touched)"
+        )
+
+
+def _manifest_dir(out_dir: str) -> str | None:
+    """out_dir/_manifest if it is a real directory (not a symlink), else None."""
+    d = os.path.join(out_dir, MANIFEST_DIR)
+    return d if os.path.isdir(d) and not os.path.islink(d) else None
 
 
 def write_json(path: str, obj: dict) -> None:
@@ -64,14 +105,16 @@ def entry_path(out_dir: str, k: int) -> str:
 
 def write_entry(out_dir: str, k: int, entry: dict[str, Any]) -> None:
     os.makedirs(os.path.join(out_dir, MANIFEST_DIR), exist_ok=True)
+    if _manifest_dir(out_dir) is None:  # a symlink planted since the run's start
+        check_no_links(out_dir)
     write_json(entry_path(out_dir, k), {**entry, "shard": k, "committed_at": time.time()})
 
 
 def read_entries(out_dir: str) -> dict[int, dict]:
-    """All shard entries present (not verified)."""
-    d = os.path.join(out_dir, MANIFEST_DIR)
+    """All shard entries present (not verified); none through a symlinked _manifest/."""
+    d = _manifest_dir(out_dir)
     out = {}
-    for name in os.listdir(d) if os.path.isdir(d) else []:
+    for name in os.listdir(d) if d is not None else []:
         m = _ENTRY.match(name)
         if m and (e := _read_json(os.path.join(d, name))) is not None:
             out[int(m.group(1))] = e
@@ -84,7 +127,7 @@ def verify_entry(out_dir: str, entry: dict, fingerprint: str) -> bool:
         return False
     path = os.path.join(out_dir, str(entry.get("file", "")))
     try:
-        if os.path.getsize(path) != entry.get("size"):
+        if os.path.islink(path) or os.path.getsize(path) != entry.get("size"):
             return False
         if path.endswith(".parquet"):
             return pq.read_metadata(path).num_rows == entry.get("rows")
@@ -111,8 +154,8 @@ def remove_stray_temps(out_dir: str, owns, now: float | None = None) -> list[str
     their writer, a process of this host, has ended."""
     now = time.time() if now is None else now
     removed = []
-    for d in (out_dir, os.path.join(out_dir, MANIFEST_DIR)):
-        for name in os.listdir(d) if os.path.isdir(d) else []:
+    for d in (out_dir, _manifest_dir(out_dir)):
+        for name in os.listdir(d) if d is not None and os.path.isdir(d) else []:
             m = _TEMP.match(name)
             if m is None:
                 continue

@@ -13,6 +13,7 @@ from batchgen.io.parquet_chunks import Piece, read_chunks
 from batchgen.io.parquet_schema import parquet_schema
 from batchgen.io.rows import InputRow
 from batchgen.job import InputSpec, JobError
+from batchgen.job.spec import DEFAULT_MAX_ROW_BYTES
 from batchgen.short_repr import short_repr
 
 OPENAI_KEY = "__openai__"  # data key holding an OpenAI batch line's {url, body}
@@ -87,13 +88,44 @@ def _bad_id_message(key: str, value: Any) -> str:
     return f"id {key!r} must be a string or an integer, got {kind} {short_repr(value)}"
 
 
-def _sample_objects(path: str, limit: int) -> Iterator[dict]:
+def bounded_lines(f, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
+    """(line number, line, size) for each line of binary file `f`, without its newline and
+    the file's BOM; a line over `limit` bytes comes as None (with its size), read past in
+    1 MiB pieces and never held whole."""
+    lineno = 0
+    while True:
+        line = f.readline(limit + 2)  # room for the content, "\r" and "\n"
+        if not line:
+            return
+        lineno += 1
+        if lineno == 1:
+            line = line.removeprefix(BOM)
+        if line.endswith(b"\n") or len(line) <= limit:
+            content = line.rstrip(b"\r\n")
+            if len(content) <= limit:
+                yield lineno, content, len(content)
+                continue
+        size = len(line.rstrip(b"\r\n"))
+        while not line.endswith(b"\n"):
+            line = f.readline(1 << 20)
+            if not line:
+                break
+            size += len(line.rstrip(b"\r\n"))
+        yield lineno, None, size
+
+
+def _sample_objects(
+    path: str, limit: int, max_bytes: int = DEFAULT_MAX_ROW_BYTES
+) -> Iterator[dict]:
+    """The JSON objects among the first `limit` lines (lines over `max_bytes` skipped)."""
     with open(path, "rb") as f:
-        for i, line in enumerate(f):
-            if i >= limit:
+        for lineno, line, _ in bounded_lines(f, max_bytes):
+            if lineno > limit:
                 return
+            if line is None:
+                continue
             try:
-                obj = loads(line.removeprefix(BOM) if i == 0 else line)
+                obj = loads(line)
             except ValueError:
                 continue
             if isinstance(obj, dict):
@@ -119,7 +151,7 @@ def check_columns(files: list[str], spec: InputSpec, needed: list[str]) -> None:
             _check_id_dtype(path, spec.id_column, schema.get(spec.id_column))
         elif fmt == "jsonl":
             names = set()
-            for obj in _sample_objects(path, 100):
+            for obj in _sample_objects(path, 100, spec.max_row_bytes):
                 names.update(obj)
             if not names:
                 continue
@@ -183,15 +215,20 @@ class Reader:
         return row
 
     def _parquet(self, path: str) -> Iterator[list[InputRow]]:
-        for pieces in read_chunks(path, self.spec.id_column, self.columns, self.chunk_rows):
+        key, limit = self.spec.id_column, self.spec.max_row_bytes
+        for pieces in read_chunks(path, key, self.columns, self.chunk_rows, limit):
             rows = []
             for piece in pieces:
                 for i in range(piece.num_rows):
                     source = f"{path}:row {piece.start + i}"
-                    if piece.records is not None:
-                        rows.append(self._make_row(piece.records[i], source))
-                    else:
+                    if piece.records is None:
                         rows.append(self._undecodable(piece, i, source))
+                    elif i in piece.too_large:
+                        row_id = id_text(piece.records[i].get(key))
+                        what = f"its text columns hold {piece.too_large[i]:,} bytes"
+                        rows.append(self._too_large(source, what, row_id or None))
+                    else:
+                        rows.append(self._make_row(piece.records[i], source))
             yield rows
 
     def _undecodable(self, piece: Piece, i: int, source: str) -> InputRow:
@@ -202,18 +239,30 @@ class Reader:
 
     def _jsonl(self, path: str, fmt: str) -> Iterator[list[InputRow]]:
         rows: list[InputRow] = []
+        limit = self.spec.max_row_bytes
         with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, start=1):
-                if lineno == 1:
-                    raw = raw.removeprefix(BOM)
-                if not raw.strip():
+            for lineno, raw, size in bounded_lines(f, limit):
+                source = f"{path}:{lineno}"
+                if raw is None:
+                    rows.append(self._too_large(source, f"line is {size:,} bytes"))
+                elif not raw.strip():
                     continue
-                rows.append(self._parse_line(raw, f"{path}:{lineno}", fmt))
+                else:
+                    rows.append(self._parse_line(raw, source, fmt))
                 if len(rows) >= self.chunk_rows:
                     yield rows
                     rows = []
         if rows:
             yield rows
+
+    def _too_large(self, source: str, what: str, row_id: str | None = None) -> InputRow:
+        limit = self.spec.max_row_bytes
+        return self._bad(
+            source,
+            "row_too_large",
+            f"{what}, over input.max_row_bytes={limit:,}; shorten the row or raise the limit",
+            row_id=row_id,
+        )
 
     def _parse_line(self, raw: bytes, source: str, fmt: str) -> InputRow:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -145,11 +146,31 @@ def write_shard(out_dir: str, k: int, rows: list[ResultRow], layout: ShardLayout
             to_frame(rows, layout).write_parquet(tmp, compression=codec)
         size, sha = _size_and_sha256(tmp)
         atomic.commit(tmp, final)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        error = _os_error(e)
+        if error is not None:
+            raise atomic.named(error, final) from e
         raise
     return {"file": os.path.basename(final), "size": size, "sha256": sha}
+
+
+_POLARS_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind a failed write: itself, or the one polars reports in its message
+    ("... No space left on device (os error 28)"); None for any other failure."""
+    import polars as pl
+
+    if isinstance(e, OSError):
+        return e
+    found = _POLARS_OS_ERROR.search(str(e)) if isinstance(e, pl.exceptions.PolarsError) else None
+    if found is None:
+        return None
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code))
 
 
 def _size_and_sha256(path: str) -> tuple[int, str]:

@@ -76,6 +76,7 @@ class Fp8Linear(nn.Module):
     ) -> None:
         super().__init__()
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        self.act_dtype = dtype or torch.get_default_dtype()  # the activations' (and bias') dtype
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
             requires_grad=False,

@@ -20,13 +20,14 @@ from batchgen.pipeline import engine_factory as factory
 from batchgen.pipeline import kv_scales_file
 from batchgen.pipeline.fingerprint import fingerprint, fingerprint_parts
 from batchgen.pipeline.job_limits import check_job_limits
+from batchgen.pipeline.model_source import resolve_job_model
 from batchgen.pipeline.modes import mode_for
 from batchgen.pipeline.progress import Progress
 from batchgen.pipeline.sharding import ShardSelector
 from batchgen.pipeline.signals import EX_TEMPFAIL, GracefulStop, StopFlag
 from batchgen.pipeline.stats import RunStats, job_totals, summary_lines, write_stats
 from batchgen.plan.planner import Request
-from batchgen.plan.prompts import PromptError, PromptRenderer
+from batchgen.plan.prompts import PromptError, PromptRenderer, RenderStopped, TemplateLimits
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Runner:
         grace_s: after a stop request, how long in-flight shards may take to finish.
         max_in_flight: most requests inside the engine (default 4 x max_num_seqs).
         log: where messages go (default stderr).
+        template_limits: hard limits on each chat-template render (default TemplateLimits()).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class Runner:
         max_in_flight: int | None = None,
         chunk_rows: int = 1024,
         log: Callable[[str], None] | None = None,
+        template_limits: TemplateLimits | None = None,
     ):
         self.job = job
         self.mode = mode_for(job)  # what differs between generate and score
@@ -112,6 +115,7 @@ class Runner:
         self.grace_s = grace_s
         self.max_in_flight = max_in_flight or 4 * job.model.engine_config().max_num_seqs
         self.chunk_rows = chunk_rows
+        self.template_limits = template_limits
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.out_dir = job.output.path
 
@@ -119,9 +123,7 @@ class Runner:
 
     def prepare(self) -> None:
         """Every check that needs no model weights; raises JobError. Then claims the out dir."""
-        job = self.job
-        if not os.path.isdir(job.model.path):
-            raise JobError(f"model.path: {job.model.path!r} is not a directory (a HF model dir)")
+        job = self.job = resolve_job_model(self.job)  # a hub id: its snapshot directory
         self.files = resolve_inputs(job.input.path)
         self.formats = {f: file_format(f, job.input.format) for f in self.files}
         self.columns = self.mode.columns(self.files, list(self.formats.values()))
@@ -130,12 +132,22 @@ class Runner:
             # config.json: architecture, lengths, vocabulary (JobError if bad), and the job's
             # own settings against them, before the weights load.
             check_job_limits(job, factory.model_limits(job))
-        self.renderer = PromptRenderer(job.prompt, tok.chat_template, tok.bos_token, tok.eos_token)
+        # Chat templates render in a worker process that a stop signal kills at once.
+        self.renderer = PromptRenderer(
+            job.prompt,
+            tok.chat_template,
+            tok.bos_token,
+            tok.eos_token,
+            limits=self.template_limits,
+            should_stop=self.stop.is_set,
+        )
         try:
             self.renderer.check(needs_chat=job.prompt.chat is not None)
         except PromptError as e:
             raise JobError(f"prompt: {e}") from None
-        self.parts = self.mode.fingerprint_parts(fingerprint_parts(job, self.files))
+        except RenderStopped:
+            pass  # the stop flag ends the run before any row is read
+        self.parts = self.mode.fingerprint_parts(fingerprint_parts(job, self.files, self.log))
         self.fingerprint = fingerprint(self.parts)
         self._check_output_apart()
         self._claim_output_dir()
@@ -160,6 +172,7 @@ class Runner:
     def _claim_output_dir(self) -> None:
         out = self.out_dir
         os.makedirs(out, exist_ok=True)
+        manifest.check_no_links(out)  # before anything in it is read, written or cleared
         old = manifest.read_job(out)
         # Only batchgen's own names (a first run killed mid-write leaves just a temp of
         # _job.json; a concurrent task may be writing one now) do not make it foreign.
@@ -206,18 +219,24 @@ class Runner:
         # one while the totals, _SUCCESS and _stats.json are written neither kills the process
         # mid-write (a temp file left, no _SUCCESS) nor changes the exit code.
         with GracefulStop(self.stop):
-            self.prepare()
-            # This task's shards' entries: what it reports and --strict decides on. Other
-            # tasks' rows are theirs to report; a resumed task still counts its earlier runs'.
-            self.own_entries = {k: e for k, e in self.committed.items() if self.shard.owns(k)}
-            self.stats = RunStats(shards_skipped=len(self.own_entries))
-            self.progress = Progress(self.progress_enabled)
-            self.engine = None
-            self.layout = self._layout()
+            self.renderer: PromptRenderer | None = None
             try:
-                finished = self._loop()
+                self.prepare()
+                # This task's shards' entries: what it reports and --strict decides on. Other
+                # tasks' rows are theirs to report; a resumed task still counts its earlier
+                # runs'.
+                self.own_entries = {k: e for k, e in self.committed.items() if self.shard.owns(k)}
+                self.stats = RunStats(shards_skipped=len(self.own_entries))
+                self.progress = Progress(self.progress_enabled)
+                self.engine = None
+                self.layout = self._layout()
+                try:
+                    finished = self._loop()
+                finally:
+                    self.progress.close()
             finally:
-                self.progress.close()
+                if self.renderer is not None:
+                    self.renderer.close()  # ends the chat-template worker
             return self._finish(finished, start)
 
     def _finish(self, finished: bool, start: float) -> RunResult:
@@ -247,7 +266,7 @@ class Runner:
 
     def _layout(self) -> ShardLayout:
         passthrough = tuple(passthrough_dtypes(self.formats, self.job.input.columns, self.log))
-        return self.mode.layout(passthrough, os.path.basename(self.job.model.path))
+        return self.mode.layout(passthrough, self.job.model.name)
 
     def _planner(self):
         if self.engine is None:
@@ -314,7 +333,12 @@ class Runner:
                     f"(up to {self.grace_s:.0f} s)"
                 )
                 self._drop_unstarted_shards()
-            while deadline is None and not input_done and len(self._queue) < self.max_in_flight:
+            while (
+                deadline is None
+                and not input_done
+                and not self.stop.is_set()
+                and len(self._queue) < self.max_in_flight
+            ):
                 input_done = not self._read_chunk()
             self._admit(stopping=deadline is not None)
             if not self._in_flight:
@@ -323,7 +347,7 @@ class Runner:
                     # started are still owed (exit 75, so a scheduler requeues the task).
                     return input_done and not self._open and not self._dropped
                 if input_done:
-                    return True
+                    return not self._dropped  # a stop may have dropped the last shard
                 continue
             for out in self.engine.step():
                 k, req = self._in_flight.pop(out.request_id)
@@ -358,7 +382,11 @@ class Runner:
             return
         k, rows = self._buffer
         self._buffer = None
-        plan = self._planner().plan(rows)
+        try:
+            plan = self._planner().plan(rows)
+        except RenderStopped:  # a stop killed the chat template mid-shard: the shard is owed
+            self._dropped = True
+            return
         self._open[k] = _Shard(k, len(rows), list(plan.errors), len(plan.requests))
         self.progress.update(len({e.index for e in plan.errors}), 0)
         self._queue.extend((k, r) for r in plan.requests)

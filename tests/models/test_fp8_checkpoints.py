@@ -224,3 +224,16 @@ def test_online_fp8_equals_fake_quant_of_per_channel_weights(tiny_model_dir):
         if isinstance(module, torch.nn.Linear) and name != "lm_head":
             module.register_forward_pre_hook(lambda m, a: (_fake_quant_rows(a[0], None),))
     assert _max_logprob_gap(llm, hf) <= 1e-4
+
+
+def test_fp8_mlps_under_16_bit_attention_are_not_folded(tiny_model_dir, tmp_path):
+    # qkv stays 16-bit but gate_up is FP8: the RMSNorm weights cannot be folded into the MLP's
+    # weights, so the engine (fold_norms on by default) folds neither.
+    src = tiny_model_dir("llama")
+    ckpt = write_compressed_tensors(
+        src, tmp_path / "ct", "channel", "token", ignore_prefixes=("model.layers.0.self_attn",)
+    )
+    llm = LLM(ckpt, **ENGINE)
+    assert "model.layers.0.mlp.gate_up_proj" in _fp8_layers(llm)
+    assert not llm.engine.runner.model.norms_folded
+    assert _max_logprob_gap(llm, _reference(src, ckpt, "token")) <= 1e-4

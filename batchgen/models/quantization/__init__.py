@@ -8,7 +8,8 @@ then `plan.finish(model)` (online quantization, K/V scales).
 
 from __future__ import annotations
 
+from batchgen.models.quantization.fp8_plan import quantize_model_fp8
 from batchgen.models.quantization.plan import LoadPlan
 from batchgen.models.quantization.resolve import load_plan
 
-__all__ = ["LoadPlan", "load_plan"]
+__all__ = ["LoadPlan", "load_plan", "quantize_model_fp8"]

@@ -9,6 +9,7 @@ import torch
 from batchgen.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, quantize_fp8_ref
 from torch import nn
 
+from batchgen.distributed.partition import RowBlock
 from batchgen.layers.fp8_linear import Fp8Linear, Fp8Scheme, dequantized_weight
 from batchgen.models.errors import ModelLoadError
 from batchgen.models.quantization.plan import LoadPlan
@@ -84,6 +85,38 @@ class CheckpointFp8Plan(LoadPlan):
                     f"next projection's ({hf_names[-1]})"
                 )
 
+    def tp_select(self, select):
+        """Scales sliced with their weight: per-channel rows with a column-parallel weight's
+        rows; block scales by whole blocks (a rank's rows or columns must be whole blocks);
+        per-tensor and static input scales whole."""
+
+        def pick(name: str):
+            module, _, suffix = name.rpartition(".")
+            if module not in self.shards or suffix not in _SCALE_SUFFIXES:
+                return select(name)
+            part = select(module + ".weight")
+            strategy = self.scheme.strategy_of(module)
+            if part is None or suffix == "input_scale" or strategy == "tensor":
+                return None
+            dim, block = part
+            if strategy == "channel":
+                return part if dim == 0 else None  # o / down keep every output row
+            size = self.scheme.scheme_of(module).block[dim]
+            whole = block.start % size == 0 and (
+                block.length % size == 0 or block.start + block.length == block.full
+            )
+            if not whole:
+                raise ModelLoadError(
+                    f"{self.source}: with tensor parallel a rank holds "
+                    f"{'rows' if dim == 0 else 'columns'} [{block.start}, "
+                    f"{block.start + block.length}) of {module}, not whole {size}-wide weight "
+                    "blocks; choose a tensor_parallel_size that splits it into whole blocks"
+                )
+            blocks = -(-block.full // size)
+            return dim, RowBlock(block.start // size, -(-block.length // size), blocks)
+
+        return pick
+
     def tensors(self, stream) -> Iterator[tuple[str, str, torch.Tensor]]:
         for file, name, tensor in super().tensors(stream):
             module, _, suffix = name.rpartition(".")
@@ -156,12 +189,12 @@ class CheckpointFp8Plan(LoadPlan):
 
 
 def _dequantized_linear(layer: Fp8Linear) -> nn.Linear:
-    """A weight-only FP8 layer as a 16-bit nn.Linear (float(w) * scale rounded to the bias' /
+    """A weight-only FP8 layer as a 16-bit nn.Linear (float(w) * scale rounded to the
     activations' dtype): on the GPU weight-only schemes run as 16-bit GEMMs."""
-    dtype = layer.bias.dtype if layer.bias is not None else torch.bfloat16
     linear = nn.Linear(
-        layer.in_features, layer.out_features, layer.bias is not None, layer.weight.device, dtype
-    )
+        layer.in_features, layer.out_features, layer.bias is not None, layer.weight.device,
+        layer.act_dtype,
+    )  # fmt: skip
     with torch.no_grad():
         linear.weight.copy_(dequantized_weight(layer))
         if layer.bias is not None:

@@ -20,6 +20,11 @@ class LoadPlan:
     def prepare(self, model: nn.Module) -> None:
         """Change the freshly built model before its weights load."""
 
+    def tp_select(self, select):
+        """The tensor-parallel slice function of iter_tensors for this checkpoint, given the
+        model's own (model.tp_slice: its weights' rows or columns)."""
+        return select
+
     def tensors(self, stream) -> Iterator[tuple[str, str, torch.Tensor]]:
         """The checkpoint's (file, name, tensor) triples as the model's parameters take them."""
         return self.kv_scales.take(stream)

@@ -18,10 +18,18 @@ def load_plan(
 
     Raises:
         ModelLoadError: a quantization_config batchgen does not run, naming what it found and
-            what is supported.
+            what is supported; FP8 weights (checkpoint or online) of a mixture-of-experts
+            model. Raised from the config alone, before any model is built.
     """
     if quantization not in (None, "fp8"):
         raise ModelLoadError(f"quantization={quantization!r}: expected null or fp8")
+    if config.moe is not None and (quantization or config.quantization_config):
+        what = "a quantization_config" if config.quantization_config else "quantization: fp8"
+        raise ModelLoadError(
+            f"{source}: {what} on a mixture-of-experts model ({config.architecture}) is not "
+            "supported: its experts run 16-bit weights in the fused MoE kernel (kv_cache_dtype "
+            "fp8 is)"
+        )
     if config.quantization_config:
         scheme = parse(config.quantization_config, source)
         return CheckpointFp8Plan(scheme, source) if scheme.groups else LoadPlan()

@@ -37,20 +37,30 @@ class CheckpointScheme:
 
     method: str
     scale_name: str  # the weight-scale tensor's suffix: weight_scale or weight_scale_inv
-    groups: list[tuple[list[str], Fp8Scheme]] = field(default_factory=list)  # (targets, scheme)
+    # (targets, runtime scheme, the checkpoint's weight strategy: tensor | channel | block)
+    groups: list[tuple[list[str], Fp8Scheme, str]] = field(default_factory=list)
     ignore: list[str] = field(default_factory=list)
     substring_ignore: bool = False  # fp8 format: an entry anywhere in the name ignores it
     kv_cache_scales: bool = False
 
     def scheme_of(self, module: str) -> Fp8Scheme | None:
+        group = self._group_of(module)
+        return group[1] if group else None
+
+    def strategy_of(self, module: str) -> str | None:
+        """How the checkpoint stores module's weight scale: tensor, channel or block."""
+        group = self._group_of(module)
+        return group[2] if group else None
+
+    def _group_of(self, module: str):
         if module == "lm_head" and self.method == "fp8":
             return None
         for entry in self.ignore:
             if _matches(entry, module, self.substring_ignore):
                 return None
-        for targets, scheme in self.groups:
-            if any(t == "Linear" or _matches(t, module, False) for t in targets):
-                return scheme
+        for group in self.groups:
+            if any(t == "Linear" or _matches(t, module, False) for t in group[0]):
+                return group
         return None
 
 
@@ -103,7 +113,8 @@ def _compressed_tensors(qc: dict, source: str) -> CheckpointScheme:
         for t in targets:
             if not (t == "Linear" or (isinstance(t, str) and t.startswith("re:"))):
                 raise _refuse(source, f"{where}.targets entry {t!r} (Linear or re: patterns)")
-        out.groups.append((targets, _ct_scheme(group, where, source)))
+        strategy = (group.get("weights") or {}).get("strategy", "tensor")
+        out.groups.append((targets, _ct_scheme(group, where, source), strategy))
     kv = qc.get("kv_cache_scheme")
     if kv is not None:
         _fp8_args(kv, "kv_cache_scheme", source)
@@ -162,7 +173,8 @@ def _fp8(qc: dict, source: str) -> CheckpointScheme:
         if act != "dynamic":
             raise _refuse(source, f"activation_scheme {act!r} with weight_block_size")
         scheme = Fp8Scheme("block", "group", tuple(block))
-        return CheckpointScheme("fp8", "weight_scale_inv", [(["Linear"], scheme)], ignore, True)
+        groups = [(["Linear"], scheme, "block")]
+        return CheckpointScheme("fp8", "weight_scale_inv", groups, ignore, True)
     if act != "static":
         raise _refuse(
             source,
@@ -170,5 +182,5 @@ def _fp8(qc: dict, source: str) -> CheckpointScheme:
             "activation scale spans the whole batch: outputs would depend on which requests "
             "share a step)",
         )
-    scheme = Fp8Scheme("channel", "tensor")
-    return CheckpointScheme("fp8", "weight_scale", [(["Linear"], scheme)], ignore, True)
+    groups = [(["Linear"], Fp8Scheme("channel", "tensor"), "tensor")]
+    return CheckpointScheme("fp8", "weight_scale", groups, ignore, True)
