@@ -2,23 +2,36 @@
 
 One torch.distributed process group per engine: NCCL between GPUs, gloo between CPU processes.
 Rank 0 is the engine's own process; it owns a TCPStore on a free local port that the other
-ranks join. Every collective is bounded by `timeout_s` (a lost peer fails the call instead of
-hanging it; rank 0's worker monitor reports a dead worker sooner, see workers.py).
+ranks join. Every collective and store wait is bounded: by STARTUP_TIMEOUT_S while the engine
+starts (ranks that went different ways fail soon, see also watchdog.py), by TIMEOUT_S once it
+runs steps (`steady`); rank 0's worker monitor reports a dead worker sooner (workers.py).
+
+BATCHGEN_TP_TRACE=1 in the environment makes every rank log its start-up phases and each step
+(kind, shape, graph bucket) to stderr (`log`): the lines of two ranks side by side show where
+they parted.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import sys
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
 
 from batchgen.config import ConfigError
 
-# How long rendezvous and any one collective may wait for the other ranks. Generous: ranks also
-# wait on each other's start-up work (loading shards, GEMM tuning) inside collectives.
+# How long any one collective may wait for the other ranks while steps run. Generous: a rank
+# may compile kernels for a new shape while its peers wait in the next collective.
 TIMEOUT_S = 600.0
+# The same during start-up (rendezvous, symmetric-memory set-up, graph warm-ups): the ranks
+# settle their rank-local work (loading, GEMM tuning) over the control connections before
+# any collective, so a collective waiting this long means the ranks went different ways.
+STARTUP_TIMEOUT_S = 120.0
+# Set to 1: every rank logs its start-up phases and steps to stderr (see the module docstring).
+TRACE_ENV = "BATCHGEN_TP_TRACE"
 
 
 class TensorParallelError(RuntimeError):
@@ -41,6 +54,12 @@ class TensorParallel:
         # Set by enable_one_shot (GPU): small all-reduces by a peer-to-peer kernel.
         self.one_shot = None
         self.one_shot_max_bytes = 0
+        # Start-up checks (model_runner): a list collecting (op, route, bytes) of each
+        # collective issued, and a watchdog told of each (progress).
+        self.record: list[tuple[str, str, int]] | None = None
+        self.watchdog = None
+        # Where this rank logs its phases and steps (BATCHGEN_TP_TRACE=1), else None.
+        self.log: TextIO | None = sys.stderr if os.environ.get(TRACE_ENV) == "1" else None
 
     @classmethod
     def start(
@@ -49,9 +68,10 @@ class TensorParallel:
         size: int,
         device: torch.device,
         store: dist.TCPStore,
-        timeout_s: float = TIMEOUT_S,
+        timeout_s: float = STARTUP_TIMEOUT_S,
     ) -> TensorParallel:
-        """Join the group through `store` (rank 0 created it with is_master=True).
+        """Join the group through `store` (rank 0 created it with is_master=True). Collectives
+        time out after timeout_s until `steady` raises it.
 
         Raises:
             ConfigError: the process group cannot start (another one is live in this process,
@@ -102,15 +122,37 @@ class TensorParallel:
     def group_name(self) -> str:
         return dist.group.WORLD.group_name
 
+    def steady(self, timeout_s: float = TIMEOUT_S) -> None:
+        """Start-up is over: collectives may wait timeout_s from now on (steps)."""
+        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        if set_timeout is not None:
+            set_timeout(datetime.timedelta(seconds=timeout_s))
+
+    def route(self, nbytes: int) -> str:
+        """How an all-reduce of a contiguous tensor of nbytes runs: "one-shot" or "nccl"/"gloo"
+        (the group's backend). Every rank answers alike: the threshold is agreed."""
+        if self.one_shot is not None and 0 < nbytes <= self.one_shot_max_bytes:
+            return "one-shot"
+        return self.backend
+
+    def _note(self, op: str, route: str, nbytes: int) -> None:
+        if self.record is not None:
+            self.record.append((op, route, nbytes))
+        if self.watchdog is not None:
+            self.watchdog.beat()
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks. Returns the sum: x itself (reduced in place), or a new tensor
         where the one-shot kernel ran (small tensors on GPU, see one_shot.py) or where x is not
         contiguous (collectives read a tensor's storage as one dense block)."""
         x = x.contiguous()
-        if self.one_shot is not None and x.numel() * x.element_size() <= self.one_shot_max_bytes:
+        nbytes = x.numel() * x.element_size()
+        if self.one_shot is not None and nbytes <= self.one_shot_max_bytes:
             out = self.one_shot(x)
             if out is not None:
+                self._note("all_reduce", "one-shot", nbytes)
                 return out
+        self._note("all_reduce", self.backend, nbytes)
         dist.all_reduce(x)
         return x
 
@@ -118,6 +160,7 @@ class TensorParallel:
         """x [N, C] on every rank -> [N, size * C] on rank 0 (rank r's columns at r * C), None
         on the others."""
         x = x.contiguous()
+        self._note("gather", self.backend, x.numel() * x.element_size())
         if self.rank != 0:
             dist.gather(x, None, dst=0)
             return None
@@ -127,6 +170,7 @@ class TensorParallel:
 
     def broadcast_(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x into x on every rank, in place."""
+        self._note("broadcast", self.backend, x.numel() * x.element_size())
         dist.broadcast(x, src=0)
         return x
 
@@ -148,9 +192,12 @@ class TensorParallel:
         dist.destroy_process_group()
 
 
-def make_store(rank: int, size: int, port: int, timeout_s: float = TIMEOUT_S) -> dist.TCPStore:
+def make_store(
+    rank: int, size: int, port: int, timeout_s: float = STARTUP_TIMEOUT_S
+) -> dist.TCPStore:
     """Rank 0 (port 0: a free one, read back from store.port) hosts the rendezvous store on
-    127.0.0.1; the other ranks connect to its port."""
+    127.0.0.1; the other ranks connect to its port. Its waits (the process group's rendezvous,
+    the symmetric-memory exchange of the one-shot all-reduce) end after timeout_s."""
     return dist.TCPStore(
         "127.0.0.1",
         port,

@@ -13,10 +13,19 @@ eagerly and inside a replayed CUDA graph against NCCL, then timed against NCCL i
 at decode sizes; every rank takes the same decision (the slowest rank's timings). Anything
 missing or failing keeps NCCL. `python -m batchgen.bench.allreduce` prints the same
 measurement.
+
+Once per process: torch keeps the symmetric-memory rendezvous state per process, not per
+process group. Its exchange of peer handles through the group's store numbers its keys with a
+process-wide sequence count, and it remembers the store of each group *name* (the default
+group is always "0"). A second tensor-parallel engine in the caller's process (rank 0) would
+meet fresh worker processes whose counts start again at 0: the ranks wait for keys the others
+never write, and the start-up hangs. So only the first engine of a process rendezvouses; later
+ones all-reduce through NCCL (`available` says why).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -28,6 +37,9 @@ _DTYPES = (torch.bfloat16, torch.float32)
 _CALLS_PER_GRAPH = 16
 _REPLAYS = 7
 
+# Set once this process has begun a symmetric-memory rendezvous (see the module docstring).
+_rendezvous_begun = False
+
 
 def _alignment(nbytes: int) -> int:
     """The vector width (4, 8 or 16 bytes) the kernel would use for an offset/size of nbytes."""
@@ -38,7 +50,13 @@ def _alignment(nbytes: int) -> int:
 
 
 def available() -> str | None:
-    """None if this torch can run the one-shot kernel, else why not."""
+    """None if this process can run the one-shot kernel, else why not."""
+    if _rendezvous_begun:
+        return (
+            "an earlier tensor-parallel engine in this process set up symmetric memory, whose "
+            "rendezvous torch cannot repeat with new worker processes (its state is per "
+            "process); this engine all-reduces through NCCL"
+        )
     try:
         import torch.distributed._symmetric_memory as symm_mem  # noqa: F401
     except ImportError as e:
@@ -61,10 +79,14 @@ class OneShotAllReduce:
     def __init__(self, group_name: str, max_bytes: int, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
+        global _rendezvous_begun
+        _rendezvous_begun = True  # even if it fails: its state may be half set
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", lambda name: False)
         if enable is not None and not enabled(group_name):
-            enable(group_name)  # required by older torch, a no-op or deprecated in newer
+            with warnings.catch_warnings():  # required by older torch, deprecated in newer
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(group_name)
         self.group_name = group_name
         self.max_bytes = max_bytes
         # One byte buffer; each call views its first x.nbytes as x's dtype.

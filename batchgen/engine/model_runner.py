@@ -16,13 +16,16 @@ from batchgen.config import ConfigError, EngineConfig
 from batchgen.cpu_threads import cpu_threads_to_set
 from batchgen.distributed.group import TensorParallel, TensorParallelError
 from batchgen.distributed.one_shot import select_one_shot
-from batchgen.distributed.workers import WorkerError
-from batchgen.engine.cuda_graph import DecodeGraphs, bucket_sizes
+from batchgen.distributed.watchdog import Watchdog
+from batchgen.distributed.workers import WorkerError, WorkerPool
+from batchgen.engine import mixed_graph
+from batchgen.engine.cuda_graph import smallest_bucket
+from batchgen.engine.graph_capture import capture_graphs
 from batchgen.engine.host_to_device import PinnedStager
 from batchgen.engine.kv_cache_size import kv_block_bytes, num_kv_blocks
 from batchgen.engine.kv_scales import KVScales
-from batchgen.engine.mixed_graph import MixedGraphs, mixed_bucket_sizes
 from batchgen.engine.prompt_allowance import auto_chunk_tokens
+from batchgen.engine.rank_guard import RankGuard
 from batchgen.engine.request_checks import check_cache_size
 from batchgen.engine.sampler import Sampler, SamplingBatch
 from batchgen.engine.scheduler_output import ScheduledSequence
@@ -36,7 +39,7 @@ from batchgen.engine.tensor_parallel import (
 )
 from batchgen.kernels import ops
 from batchgen.kernels.fp8 import FP8_DTYPE
-from batchgen.layers import gemm_tuning, linear
+from batchgen.layers import linear
 from batchgen.layers.context import AttentionContext
 from batchgen.models.config import ModelConfig
 from batchgen.models.loader import CheckpointLoader
@@ -65,9 +68,9 @@ class ModelRunner:
     Args:
         config, model_config, max_model_len: the engine's settings and model.
         build: (device, tp) -> model; default: the checkpoint at config.model.
-        tp / peers: given on tensor-parallel ranks > 0 (their process group and their link to
-            rank 0, see tp_worker.py); rank 0's runner makes its own when
-            config.tensor_parallel_size > 1.
+        tp / peers / watchdog: given on tensor-parallel ranks > 0 (their process group, their
+            link to rank 0 and the deadline of their start-up phases, see tp_worker.py); rank
+            0's runner makes its own when config.tensor_parallel_size > 1.
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class ModelRunner:
         build: ModelBuilder | None = None,
         tp: TensorParallel | None = None,
         peers=None,
+        watchdog: Watchdog | None = None,
     ):
         self.config = config
         self.model_config = model_config
@@ -94,14 +98,22 @@ class ModelRunner:
             self._stop = weakref.finalize(self, _close, self.tp, self.peers)
             if self.tp.backend == "nccl":  # a step waiting on a dead rank's NCCL kernels returns
                 self.peers.on_failure = self.tp.close
+            watchdog = Watchdog(0, _aborter(self.tp))
+        self.guard = RankGuard(self.tp, watchdog if self.tp is not None else None)
         try:
             self.model = build(self.device, self.tp)
             self._init(max_model_len)
+            self.guard.started()
         except WorkerError as e:
+            self.guard.close()
             self.shutdown()
             raise resolve_kind(e.kind, str(e)) or e from None
-        except BaseException:
+        except BaseException as e:
+            failure = self._tp_failure(e)
+            self.guard.close()
             self.shutdown()
+            if failure is not None:
+                raise failure from e
             raise
 
     @classmethod
@@ -112,9 +124,25 @@ class ModelRunner:
         self.model_config = model.config
         self.device = next(model.parameters()).device
         self.tp = self.peers = None
+        self.guard = RankGuard(None)
         self.model = model
         self._init(max_model_len)
         return self
+
+    def _tp_failure(self, error: BaseException) -> TensorParallelError | None:
+        """Rank 0, start-up failed with `error`: the tensor-parallel cause to raise instead (a
+        phase that ran out of time, a worker that died), or None to raise error itself."""
+        if self.guard.expired is not None:
+            return TensorParallelError(self.guard.expired)
+        if not isinstance(self.peers, WorkerPool) or isinstance(
+            error, (ConfigError, TensorParallelError)
+        ):
+            return None
+        try:
+            self.peers.raise_if_died(error)
+        except TensorParallelError as died:
+            return died
+        return None
 
     def _agree(self, phase: str, value, reduce=None):
         """One value settled across the tensor-parallel ranks at a start-up phase (rank 0 sends
@@ -150,12 +178,18 @@ class ModelRunner:
         self.max_model_len = max_model_len
         # Every rank has its share: the whole model's size is their sum.
         num_params = self._agree("loaded", sum(p.numel() for p in self.model.parameters()), sum)
+        # Mixed-step graphs: rank 0's switch holds for every rank (mixed_graph.py).
+        mixed_graphs = self.tp is None or self._agree(
+            "mixed graphs", bool(mixed_graph.TENSOR_PARALLEL_MIXED_GRAPHS), lambda vs: vs[0]
+        )
         # The scheduler's mixed_chunk_tokens, the option resolved for this model.
         self.mixed_chunk_tokens = self.config.mixed_chunk_tokens
         if self.mixed_chunk_tokens is None:
             self.mixed_chunk_tokens = auto_chunk_tokens(
                 num_params, self.config.max_num_batched_tokens
             )
+            if not mixed_graphs:
+                self.mixed_chunk_tokens = 0
         self.stager = PinnedStager(self.device)
         self.sampler = Sampler(self.stager.to_device)
         self._last_tokens = None  # a worker's copy of the last step's sampled tokens
@@ -164,7 +198,8 @@ class ModelRunner:
         block_bytes = kv_block_bytes(
             c.num_hidden_layers, self.num_kv_heads, c.head_dim, self.block_size, self.kv_dtype
         )
-        blocks = num_kv_blocks(self.model, self.config, max_model_len, self.device, block_bytes)
+        with self.guard.phase("memory profile"):  # a forward with collectives (GPU)
+            blocks = num_kv_blocks(self.model, self.config, max_model_len, self.device, block_bytes)
         self.num_kv_blocks = self._agree("kv blocks", blocks, min)  # what every rank holds
         too_small = check_cache_size(self.num_kv_blocks * self.block_size, max_model_len)
         if too_small is not None:
@@ -188,37 +223,24 @@ class ModelRunner:
         linear.clear_tuning()  # shapes an earlier runner in this process tuned
         if self.tp is not None and not self.config.disable_custom_all_reduce:
             # (threshold bytes, timings, why off): measured with every rank; see one_shot.py.
-            self.one_shot = select_one_shot(
-                self.tp, self._agree, c.hidden_size, self.config.max_num_seqs, self.dtype
-            )
-        if self.device.type == "cuda" and not self.config.enforce_eager:
-            chunk = self.mixed_chunk_tokens
-            mixed = mixed_bucket_sizes(self.config.max_num_seqs) if chunk else []
-            if self.config.tune_gemms:
-                sizes = bucket_sizes(self.config.max_num_seqs)
-                rows = sizes + [s + chunk for s in mixed]
-                groups = self.model.projection_groups()
-                self.tune_report = gemm_tuning.tune_projections(groups, rows)
-            self._agree("tuned", None, lambda vs: None)  # graphs capture collectives: together
-            self.graphs = DecodeGraphs(
-                self.model,
-                self.kv_caches,
-                self.config.max_num_seqs,
-                max_model_len,
-                self.block_size,
-                self.stager.to_device,
-            )
-            if chunk:
-                self.mixed_graphs = MixedGraphs(
-                    self.model,
-                    self.kv_caches,
-                    mixed,
-                    chunk,
-                    max_model_len,
-                    self.block_size,
-                    self.stager.to_device,
-                    self.graphs.pool,
+            with self.guard.phase("one-shot all-reduce set-up"):
+                self.one_shot = select_one_shot(
+                    self.tp, self._agree, c.hidden_size, self.config.max_num_seqs, self.dtype
                 )
+        captured = capture_graphs(
+            self.model,
+            self.kv_caches,
+            self.config,
+            max_model_len,
+            self.num_kv_blocks,
+            self.mixed_chunk_tokens if mixed_graphs else 0,
+            self.stager.to_device,
+            self.tp,
+            self.guard,
+            self._agree,
+        )
+        self.graphs, self.mixed_graphs = captured.graphs, captured.mixed_graphs
+        self.tune_report = captured.tune_report
         self._agree("ready", None, lambda vs: None)
 
     def mixed_chunk_room(self, num_decode_rows: int) -> int:
@@ -331,9 +353,13 @@ class ModelRunner:
         if sources is not None:
             patch = self._pending_patch(step.pending_rows, sources, previous_tokens)
         sample_rows = step.sample_rows
-        if self.graphs is not None and self.graphs.can_run(step):
+        decode = self.graphs is not None and self.graphs.can_run(step)
+        mixed = not decode and self.mixed_graphs is not None and self.mixed_graphs.can_run(step)
+        if self.guard.logging:
+            self.guard.step(step, self._run_kind(step, decode, mixed))
+        if decode:
             hidden = self.graphs.run(step, patch)  # [B, H]
-        elif self.mixed_graphs is not None and self.mixed_graphs.can_run(step):
+        elif mixed:
             hidden = self.mixed_graphs.run(step, patch)  # [bs + P, H]
             sample_rows = self.mixed_graphs.graph_rows(step, sample_rows)
         else:
@@ -343,6 +369,15 @@ class ModelRunner:
             positions = self._tensor(step.positions, torch.int64)
             hidden = self.model(input_ids, positions, self._context(step))  # [T, H]
         return hidden, sample_rows
+
+    def _run_kind(self, step: StepInputs, decode: bool, mixed: bool) -> str:
+        """How a step runs, for the step log: its graph and bucket, or eager."""
+        if decode:
+            return f"decode-graph bs={smallest_bucket(self.graphs.sizes, len(step.seq_lens))}"
+        if mixed:
+            bs = smallest_bucket(self.mixed_graphs.sizes, step.num_decode_rows)
+            return f"mixed-graph bs={bs}+{self.mixed_graphs.chunk}"
+        return "eager"
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
         """Logits [n, V] of hidden's rows `rows`; None on tensor-parallel ranks > 0 (they
@@ -383,6 +418,17 @@ class ModelRunner:
         if not lps:
             return step.score_owner, None, None
         return step.score_owner, torch.cat(lps), torch.cat(matches)
+
+
+def _aborter(tp: TensorParallel):
+    """Rank 0's watchdog action (its thread): abort the NCCL communicators, so the call waiting
+    on the other ranks returns and start-up raises the watchdog's message."""
+
+    def abort(message: str) -> None:
+        if tp.backend == "nccl":
+            tp.close()
+
+    return abort
 
 
 def _close(tp: TensorParallel, pool) -> None:

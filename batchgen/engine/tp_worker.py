@@ -6,12 +6,19 @@ Started by rank 0 as `python -m batchgen.engine.tp_worker`; never run by hand.
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 
 import torch
 
-from batchgen.distributed.group import TensorParallel, default_threads, make_store
+from batchgen.distributed.group import (
+    TensorParallel,
+    TensorParallelError,
+    default_threads,
+    make_store,
+)
+from batchgen.distributed.watchdog import Watchdog
 from batchgen.distributed.workers import Rank0Link
 from batchgen.engine.model_runner import ModelRunner, resolve_device
 from batchgen.engine.tensor_parallel import WorkerSetup, rank_device
@@ -27,6 +34,14 @@ def main() -> int:
             torch.set_num_threads(default_threads(setup.size))
         store = make_store(setup.rank, setup.size, setup.store_port)
         tp = TensorParallel.start(setup.rank, setup.size, device, store)
+
+        def stuck(message: str) -> None:
+            # A start-up phase made no progress (the watchdog printed the stacks): rank 0 gets
+            # the message, and this rank's exit ends the wait of every other rank.
+            link.report(TensorParallelError(message))
+            sys.stderr.flush()
+            os._exit(1)
+
         runner = ModelRunner(
             setup.config,
             setup.model_config,
@@ -34,6 +49,7 @@ def main() -> int:
             build=setup.build,
             tp=tp,
             peers=link,
+            watchdog=Watchdog(setup.rank, stuck),
         )
         link.serve(runner.execute)
         return 0

@@ -67,7 +67,7 @@ def load_model(
     config = ModelConfig.from_dir(path)
     # A quantization_config (or option) batchgen cannot run is refused by name first; then the
     # weights' headers are checked against the config before the model it describes is built.
-    plan = load_plan(config, quantization, f"{path}/config.json")
+    plan = load_plan(config, quantization, f"{path}/config.json", tp.size if tp else 1)
     check_checkpoint(path, config, allow_pickle)
     device = torch.device(device)
     model = build_model(config, resolve_dtype(dtype, config, device), device, tp)

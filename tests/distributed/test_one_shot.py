@@ -1,11 +1,17 @@
 """The one-shot all-reduce's host-side rules (the kernel itself runs on GPUs only: see
-tests/gpu/test_tensor_parallel_gpu.py): which tensors it takes and the size it is used up to."""
+tests/gpu/test_tensor_parallel_gpu.py): which tensors it takes, the size it is used up to, and
+once per process."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 
-from batchgen.distributed.one_shot import OneShotAllReduce, threshold
+from batchgen.distributed import one_shot
+from batchgen.distributed.group import TensorParallel
+from batchgen.distributed.one_shot import OneShotAllReduce, select_one_shot, threshold
 
 
 def kernel_stub(max_bytes: int) -> OneShotAllReduce:
@@ -34,3 +40,30 @@ def test_usable_tensors():
     flat = torch.zeros(1024, dtype=torch.bfloat16)
     assert k.usable(flat[8:16])  # offset 16 bytes, size 16 bytes
     assert not k.usable(flat[2:10])  # offset 4 bytes, size 16 bytes
+
+
+def test_a_second_engine_in_a_process_keeps_nccl(monkeypatch):
+    """torch's symmetric-memory rendezvous keeps per-process state (a sequence count of store
+    keys, the store of each group name): once this process has begun one, a later engine's
+    fresh workers could never meet it. The first attempt marks the process, even when it fails;
+    later engines then settle on NCCL with the reason, before any rendezvous."""
+    monkeypatch.setattr(one_shot, "_rendezvous_begun", False)
+    with pytest.raises(RuntimeError, match="process group"):  # none here: the set-up fails
+        OneShotAllReduce("0", 4096, torch.device("cpu"))
+    assert one_shot._rendezvous_begun
+    why = one_shot.available()
+    assert "an earlier tensor-parallel engine in this process" in why
+    tp = SimpleNamespace(device=torch.device("cuda", 0))  # select_one_shot reads only this
+
+    def agree(phase, value, reduce):
+        assert phase == "one-shot available"  # nothing past the first agreement runs
+        return reduce([value, None])  # rank 1 (a fresh worker) would have no objection
+
+    assert select_one_shot(tp, agree, 64, 16, torch.bfloat16) == (0, [], why)
+
+
+def test_route_names_how_an_all_reduce_runs():
+    tp = TensorParallel(0, 2, torch.device("cpu"))
+    assert tp.route(256) == "gloo"
+    tp.one_shot, tp.one_shot_max_bytes = kernel_stub(4096), 1024
+    assert (tp.route(1024), tp.route(1025)) == ("one-shot", "gloo")

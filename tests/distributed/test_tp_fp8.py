@@ -136,10 +136,36 @@ def test_online_fp8_two_ranks_equal_their_split_math(wide):
     assert max(abs(a - b) for a, b in zip(parallel, ref)) <= 1e-4
 
 
-def test_a_split_that_cuts_weight_blocks_is_refused(tmp_path):
-    # intermediate 384 over two ranks: 192 columns of down_proj each, not whole 128-blocks.
+def test_a_split_that_cuts_weight_blocks_is_refused_before_ranks_start(tmp_path, monkeypatch):
+    # intermediate 384 over two ranks: 192 rows of gate / up and columns of down each, not whole
+    # 128-blocks. Refused from config.json, before any worker process starts.
+    from batchgen.engine import tensor_parallel
+
     src = str(tmp_path / "src")
     make_model(src, "llama", seed=4, overrides={**WIDE, "intermediate_size": 384})
     ckpt = write_fp8_blockwise(src, tmp_path / "m")
-    with pytest.raises(ModelLoadError, match="not a multiple of the weight block's 128|whole 128"):
-        _two_ranks(ckpt)
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker started before the refusal")
+
+    monkeypatch.setattr(tensor_parallel.WorkerPool, "start", no_workers)
+    with pytest.raises(ModelLoadError, match=r"gives rank 0 rows \[0, 192\) of model.layers.0"):
+        LLM(ckpt, tensor_parallel_size=2, **OPTIONS)
+
+
+def test_validate_refuses_a_split_that_cuts_weight_blocks(tmp_path):
+    from batchgen.job import JobError, load_job
+    from batchgen.pipeline.engine_factory import model_limits
+
+    src = str(tmp_path / "src")
+    make_model(src, "llama", seed=4, overrides={**WIDE, "intermediate_size": 384})
+    ckpt = write_fp8_blockwise(src, tmp_path / "m")
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "text": "x"}\n')
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"model: {{path: {ckpt}, tensor_parallel_size: 2, device: cpu}}\n"
+        f"input: {{path: {tmp_path}/in.jsonl}}\n"
+        "prompt: {template: '{text}'}\noutput: {path: " + str(tmp_path / "out") + "}\n"
+    )
+    with pytest.raises(JobError, match="model.path: .*not whole 128-wide weight blocks"):
+        model_limits(load_job(str(job)))
