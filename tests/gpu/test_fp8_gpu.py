@@ -70,3 +70,27 @@ def test_trained_tiny_perplexity_fp8_within_one_percent(tmp_path):
         results[name] = out.perplexity
     for name in ("fp8-weights", "fp8-kv", "both"):
         assert results[name] <= results["bf16"] * 1.01, results
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_weight_only_checkpoint_runs_in_the_activations_dtype(tiny_model_dir, tmp_path, dtype):
+    # Weight-only FP8 runs on the GPU as 16-bit GEMMs of the dequantized weights, which must
+    # take the activations' dtype (fp16 activations against bf16 weights cannot multiply).
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from fp8_checkpoints import write_compressed_tensors
+
+    ckpt = write_compressed_tensors(tiny_model_dir("llama"), tmp_path / "ct", "channel", None)
+    batch = prompts(8, seed=2)
+    cands = [[[5 + i % 400 for i in range(j, j + 24)]] for j in range(len(batch))]
+    opts = dict(max_model_len=256, num_kv_blocks=256)
+    cpu = LLM(ckpt, device="cpu", dtype="float32", **opts).score(batch, cands, use_tqdm=False)
+    gpu_llm = LLM(ckpt, device="cuda", dtype=dtype, **opts)
+    qkv = gpu_llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert not isinstance(qkv, Fp8Linear) and qkv.weight.dtype == getattr(torch, dtype)
+    gpu = gpu_llm.score(batch, cands, use_tqdm=False)
+    gaps = [abs(a[0].mean - b[0].mean) for a, b in zip(cpu, gpu)]
+    assert max(gaps) < 0.05, gaps  # mean log-prob per token, 16-bit rounding only
