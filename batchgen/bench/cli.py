@@ -60,6 +60,27 @@ from batchgen.models.presets import PRESET_NAMES
     show_default=True,
     help="auto: bfloat16 on GPU, float32 on CPU.",
 )
+@click.option(
+    "--quantization",
+    type=click.Choice(["fp8"]),
+    default=None,
+    help="fp8: the decoder's projections in FP8 e4m3 (online, per-channel weights, per-token "
+    "activations); an FP8 checkpoint (--model) is detected without it.",
+)
+@click.option(
+    "--kv-cache-dtype",
+    type=click.Choice(["auto", "fp8"]),
+    default="auto",
+    show_default=True,
+    help="fp8: an e4m3 KV cache (half the bytes of bf16); the roofline counts its bytes.",
+)
+@click.option(
+    "--calibrate-kv-scales",
+    type=int,
+    default=0,
+    show_default=True,
+    help="With --kv-cache-dtype fp8: K/V scales from the first N prompts (the warm-up's).",
+)
 @click.option("--enforce-eager", is_flag=True, help="Never use CUDA graphs.")
 @click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
 @click.option(
@@ -150,6 +171,9 @@ def bench(**kw) -> None:
         engine = EngineConfig(
             model=kw["model_path"] or "<random preset>",
             dtype=kw["dtype"],
+            quantization=kw["quantization"],
+            kv_cache_dtype=kw["kv_cache_dtype"],
+            calibrate_kv_scales=kw["calibrate_kv_scales"],
             device=kw["device"],
             enforce_eager=kw["enforce_eager"],
             enable_prefix_caching=not kw["no_prefix_caching"],
@@ -163,6 +187,10 @@ def bench(**kw) -> None:
         )
     except ConfigError as e:
         raise click.BadParameter(str(e)) from None
+    if kw["peer"] and kw["quantization"]:
+        raise click.BadParameter(
+            "--peer hf runs transformers on 16-bit weights; run it without --quantization"
+        )
     for name in ("repeat", "peer_repeat", "num_prompts", "max_output_tokens"):
         if kw[name] is not None and kw[name] < 1:
             raise click.BadParameter(f"--{name.replace('_', '-')} must be >= 1")
@@ -179,7 +207,10 @@ def bench(**kw) -> None:
         warmup=kw["warmup"],
         structured_schema=kw["structured_schema"],
     )
-    report = run_bench(opts, log=lambda m: click.echo(m, err=True))
+    try:
+        report = run_bench(opts, log=lambda m: click.echo(m, err=True))
+    except ModelLoadError as e:  # a checkpoint, or a preset with an option it cannot take
+        raise click.UsageError(str(e)) from None
     if kw["json_out"]:
         write_json(kw["json_out"], report)
         click.echo(f"wrote {kw['json_out']}", err=True)

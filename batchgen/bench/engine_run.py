@@ -17,6 +17,7 @@ from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.model_runner import ModelRunner, resolve_device
 from batchgen.models.config import ModelConfig
 from batchgen.models.loader import resolve_dtype
+from batchgen.models.quantization import load_plan
 from batchgen.models.tokenizer import Tokenizer
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
@@ -46,19 +47,26 @@ class Bench:
 def build_bench(
     config: EngineConfig, preset: str | None, model_path: str | None, max_model_len: int
 ) -> Bench:
-    """Load `model_path`, or build `preset` with random weights directly on the device."""
+    """Load `model_path`, or build `preset` with random weights directly on the device (then
+    quantized to FP8 with config.quantization fp8).
+
+    Raises:
+        ModelLoadError: the preset cannot take config.quantization (before anything is built).
+    """
     if model_path is not None:
         engine = LLMEngine(replace(config, model=model_path, max_model_len=max_model_len))
         return Bench(engine.config, engine.runner, None, model_path)
     device = resolve_device(config.device)
     raw = preset_config(preset)
     mc = ModelConfig.from_dict(raw, source=f"preset {preset}")
+    plan = load_plan(mc, config.quantization, f"--model-preset {preset}")  # refusals first
     dtype = resolve_dtype(config.dtype, mc, device)
     config = replace(config, model=PRESET_MODEL, max_model_len=max_model_len)
     if config.tensor_parallel_size > 1:  # every rank builds its share on its own GPU
-        build = RandomPreset(preset, dtype, config.seed)
+        build = RandomPreset(preset, dtype, config.seed, config.quantization)
         return Bench(config, ModelRunner(config, mc, max_model_len, build=build), raw, None)
     model, raw = build_random_model(preset, dtype, device, seed=config.seed)
+    plan.finish(model)  # online FP8 of the random weights with quantization fp8
     runner = ModelRunner.from_model(config, model, max_model_len)
     return Bench(config, runner, raw, None)
 

@@ -1,13 +1,17 @@
 """The models' projections: y = x @ W^T (`linear`; `linear_out_` into a given tensor) and
 residual += x @ W^T (`add_linear_`), through a cuBLASLt algorithm registered for the exact shape
 (batchgen.layers.gemm_tuning registers the ones that beat cuBLAS), else through torch (F.linear /
-addmm / mm: cuBLAS's own pick; always on CPU).
+addmm / mm: cuBLAS's own pick; always on CPU). An FP8 weight (batchgen.layers.fp8_linear) runs
+its layer's FP8 product instead.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from batchgen.kernels.fp8 import FP8_DTYPE
+from batchgen.layers.fp8_linear import fp8_linear
 
 # (rows, N, K, weight K-major, accumulate, x row stride, dtype, device index) -> (product, algo)
 _TUNED: dict[tuple, tuple] = {}
@@ -47,6 +51,8 @@ def _tuned(x: torch.Tensor, weight: torch.Tensor, accumulate: bool):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N]."""
+    if weight.dtype == FP8_DTYPE:
+        return fp8_linear(x, weight.fp8_layer, bias)
     entry = _tuned(x, weight, False) if bias is None else None
     if entry is None:
         return F.linear(x, weight, bias)
@@ -57,6 +63,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def add_linear_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """residual [M, N] += x [M, K] @ weight [N, K]^T in place (the GEMM's beta = 1); returns
     residual."""
+    if weight.dtype == FP8_DTYPE:
+        return residual.add_(fp8_linear(x, weight.fp8_layer))
     ok = residual.is_contiguous() and residual.dtype == x.dtype
     entry = _tuned(x, weight, True) if ok else None
     if entry is None:
@@ -68,6 +76,8 @@ def add_linear_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -
 def linear_out_(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """out [M, N] = x [M, K] @ weight [N, K]^T, written into out (the GEMM's beta = 0: out's
     old values are never read); returns out."""
+    if weight.dtype == FP8_DTYPE:
+        return out.copy_(fp8_linear(x, weight.fp8_layer))
     ok = out.is_contiguous() and out.dtype == x.dtype
     entry = _tuned(x, weight, False) if ok else None
     if entry is None:

@@ -14,10 +14,14 @@ import os
 from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
 from batchgen.models.moe_config import expert_tensor_shapes
+from batchgen.models.quantization.kv_scales import kv_scale_slot
 from batchgen.models.safetensors_header import TensorInfo, read_header
 from batchgen.models.weight_files import find_weight_files
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # what the loader copies into the model
+FP8_DTYPE = "F8_E4M3"  # FP8 checkpoints' weights (batchgen.models.quantization checks which)
+# Tensors an FP8 checkpoint adds beside its weights (their shapes: the quantization plan's).
+QUANTIZATION_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
 _SHOWN = 6  # names listed in a message before "..."
 
 
@@ -91,6 +95,7 @@ def check_checkpoint(path: str, config: ModelConfig, allow_pickle: bool = False)
         return
     source = os.path.join(path, "config.json")
     expected = expected_shapes(config)
+    quantized = config.quantization_config is not None
     for name, (shape, keys) in expected.items():
         info = tensors.get(name)
         if info is None:
@@ -101,10 +106,11 @@ def check_checkpoint(path: str, config: ModelConfig, allow_pickle: bool = False)
                 f"{info.file}: tensor {name!r} has shape {info.shape}, but {source} "
                 f"({values}) makes it {shape}; the config and weights do not belong together"
             )
-        if info.dtype not in FLOAT_DTYPES:
+        if info.dtype not in FLOAT_DTYPES and not (quantized and info.dtype == FP8_DTYPE):
             raise ModelLoadError(
                 f"{info.file}: tensor {name!r} has dtype {info.dtype}; batchgen loads "
-                "float16, bfloat16 or float32 weights (quantized checkpoints are not supported)"
+                "float16, bfloat16 or float32 weights, and FP8 ones of checkpoints whose "
+                "config.json has a quantization_config"
             )
     missing = [n for n in expected if n not in tensors]
     if missing:
@@ -117,7 +123,11 @@ def check_checkpoint(path: str, config: ModelConfig, allow_pickle: bool = False)
     unused = [
         n
         for n in tensors
-        if n not in expected and n != tied_copy and not n.endswith("rotary_emb.inv_freq")
+        if n not in expected
+        and n != tied_copy
+        and not n.endswith("rotary_emb.inv_freq")
+        and kv_scale_slot(n) is None  # K/V-cache scales (an FP8 KV cache's)
+        and not (quantized and n.endswith(QUANTIZATION_SUFFIXES))
     ]
     if unused:
         raise ModelLoadError(

@@ -89,6 +89,7 @@ class LlamaAttention(nn.Module):
                 k_cache, v_cache, ctx.slot_mapping, *norms,
                 self.q_norm.eps if self.qk_norm else 1e-6,
                 rms_rows=hidden if folded else None, rms_eps=rms_eps if folded else 1e-6,
+                kv_scale=self.attn.cache_scale(k_cache),
             )  # fmt: skip
             out = self.attn.attend(q, ctx)  # [T, Hq, D]
         out = out.reshape(num_tokens, self.q_size)
@@ -305,9 +306,17 @@ class LlamaForCausalLM(nn.Module):
         return self.model.layers[0].norms_folded if len(self.model.layers) else False
 
     def can_fold_norms(self) -> bool:
-        """Folding needs bias-free qkv and gate_up projections: a bias is added after the
-        row scale, which would scale it too."""
-        return not (self.config.qkv_bias or self.config.mlp_bias)
+        """Folding needs bias-free qkv and gate_up projections (a bias is added after the
+        row scale, which would scale it too) with 16-bit weights (an FP8 weight times the norm
+        weight would need quantizing again)."""
+        if not self.model.layers or self.config.qkv_bias or self.config.mlp_bias:
+            return False
+        # A checkpoint may quantize some projections only (its ignore list): check each.
+        return all(
+            layer.self_attn.qkv_proj.weight.itemsize >= 2
+            and layer.mlp.gate_up_proj.weight.itemsize >= 2
+            for layer in self.model.layers
+        )
 
     @torch.no_grad()
     def fold_norms_(self) -> bool:
@@ -359,19 +368,21 @@ class LlamaForCausalLM(nn.Module):
             if leaf == "lm_head" and self.config.tie_word_embeddings:
                 continue
             weight = module.weight
+            if weight.itemsize < 2:
+                continue  # FP8: the GEMM takes the TN layout only (row-major [N, K] weights)
             if weight.dim() == 2 and weight.stride(0) != 1:  # not K-major yet
                 weight.data = weight.data.t().contiguous().t()  # [N, K] with strides (1, N)
 
     def projection_groups(self) -> list[tuple[list[torch.Tensor], bool]]:
         """The decoder's projections for layers.linear.tune_projections: per projection, its
         weight in every layer and whether the model adds it into the residual stream (o and
-        down with folded norms). Projections with a bias are left out (torch runs them)."""
+        down with folded norms). Projections with a bias or FP8 weights are left out."""
         groups = []
         for attr, path in (("qkv_proj", "self_attn"), ("o_proj", "self_attn"),
                            ("gate_up_proj", "mlp"), ("down_proj", "mlp")):  # fmt: skip
             mods = [getattr(getattr(layer, path), attr) for layer in self.model.layers]
-            if any(m.bias is not None for m in mods):
-                continue
+            if any(m.bias is not None or m.weight.itemsize < 2 for m in mods):
+                continue  # torch runs biased projections; FP8 ones run their own GEMMs
             # Folded, o / down add into the residual stream; on tensor-parallel ranks but the
             # first they overwrite their copy of it instead (_output_projection).
             first = self.tp is None or self.tp.rank == 0

@@ -11,6 +11,7 @@ from batchgen.distributed.group import TensorParallel
 from batchgen.models.checkpoint_check import check_checkpoint
 from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
+from batchgen.models.quantization import load_plan
 from batchgen.models.registry import model_class
 from batchgen.models.weight_files import find_weight_files
 from batchgen.models.weights import iter_tensors
@@ -54,20 +55,27 @@ def load_model(
     device: str | torch.device = "cpu",
     allow_pickle: bool = False,
     tp: TensorParallel | None = None,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Load config and weights of `path` onto `device`; with `tp`, this rank's share only,
-    read slice by slice from the safetensors files (model.tp_slice says which).
+    read slice by slice from the safetensors files (model.tp_slice says which). Quantized
+    checkpoints (and the `quantization` option) load through batchgen.models.quantization.
 
     Raises:
         ModelLoadError: naming the file or tensor at fault and what was expected.
     """
     config = ModelConfig.from_dir(path)
-    # The weights' headers against the config before the model it describes is allocated.
+    # A quantization_config (or option) batchgen cannot run is refused by name first; then the
+    # weights' headers are checked against the config before the model it describes is built.
+    plan = load_plan(config, quantization, f"{path}/config.json", tp.size if tp else 1)
     check_checkpoint(path, config, allow_pickle)
     device = torch.device(device)
     model = build_model(config, resolve_dtype(dtype, config, device), device, tp)
+    plan.prepare(model)
     files = find_weight_files(path, allow_pickle)
-    load_weights(model, iter_tensors(files, model.tp_slice if tp is not None else None))
+    select = plan.tp_select(model.tp_slice) if tp is not None else None
+    load_weights(model, plan.tensors(iter_tensors(files, select)))
+    plan.finish(model)
     return model, config
 
 
@@ -79,9 +87,13 @@ class CheckpointLoader:
     path: str
     dtype: str = "auto"
     allow_pickle: bool = False
+    quantization: str | None = None
 
     def __call__(self, device: torch.device, tp: TensorParallel | None = None) -> nn.Module:
-        return load_model(self.path, self.dtype, device, self.allow_pickle, tp)[0]
+        model, _ = load_model(
+            self.path, self.dtype, device, self.allow_pickle, tp, self.quantization
+        )
+        return model
 
 
 def load_weights(model: nn.Module, tensors) -> None:
