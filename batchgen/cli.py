@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import sys
 
@@ -44,6 +43,14 @@ def _default_shard() -> str | None:
     return f"{offset // step}/{n}"
 
 
+def _slurm_job() -> str:
+    """`slurm JOB` (or `slurm ARRAYJOB_TASK`) when run by Slurm: shown with this run's locks."""
+    env = os.environ
+    if env.get("SLURM_ARRAY_JOB_ID"):
+        return f"slurm {env['SLURM_ARRAY_JOB_ID']}_{env.get('SLURM_ARRAY_TASK_ID', '')}"
+    return f"slurm {env['SLURM_JOB_ID']}" if env.get("SLURM_JOB_ID") else ""
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """batchgen: offline batch LLM generation; jobs in, sharded resumable Parquet out."""
@@ -78,12 +85,32 @@ _set_option = click.option(
     "SLURM_ARRAY_TASK_COUNT, else all).",
 )
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a tty).")
-def run(job_file, overrides, overwrite, strict, shard, progress) -> None:
+@click.option(
+    "--grace",
+    "grace_s",
+    type=click.FloatRange(min=0),
+    default=5.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="After SIGTERM/SIGUSR1/Ctrl-C: how long requests in the engine may still finish "
+    "before every finished row is committed and the run exits 75.",
+)
+@click.option(
+    "--lease",
+    "lease_s",
+    type=click.FloatRange(min=1),
+    default=120.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Lock lease: a shard whose holder (on another host) has not renewed its lock for "
+    "this long is taken over.",
+)
+def run(job_file, overrides, overwrite, strict, shard, progress, grace_s, lease_s) -> None:
     """Run JOB_FILE: generate for every input row and commit sharded output.
 
     Exit codes: 0 done (row errors are counted, not fatal), 1 row errors in this task's shards
     with --strict, 2 bad job or usage, 75 interrupted by SIGTERM/SIGUSR1/SIGINT (run again to
-    resume).
+    resume: the finished rows are kept).
     """
     # Stop signals are caught from here, before torch is imported (about a second), to the
     # command's end: a Slurm preemption while the run starts up exits 75 (requeue), not -15,
@@ -110,6 +137,9 @@ def run(job_file, overrides, overwrite, strict, shard, progress) -> None:
                 progress=show,
                 log=lambda m: click.echo(m, err=True),
                 stop=stop,
+                grace_s=grace_s,
+                lease_s=lease_s,
+                holder=_slurm_job(),
             ).run()
         except JobError as e:
             _fail(str(e))
@@ -151,39 +181,46 @@ def validate(job_file, overrides) -> None:
 
 
 @main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+@click.option(
+    "--overwrite", is_flag=True, help="Discard outputs of a different job in output.path."
+)
+def plan(job_file, overrides, overwrite) -> None:
+    """Make JOB_FILE's shard plan now (one pass over the input; no model weights).
+
+    Every task of the job then seeks straight to its shards. Without this, the first task
+    to start makes it while the others wait.
+    """
+    stop = StopFlag()
+    with GracefulStop(stop):
+        from batchgen.pipeline.plan_command import make_plan
+
+        try:
+            lines = make_plan(load_job(job_file, overrides), overwrite, stop, _log)
+        except JobError as e:
+            _fail(str(e))
+    for line in lines:
+        click.echo(line)
+    sys.exit(EX_TEMPFAIL if stop.is_set() else EXIT_OK)
+
+
+def _log(message: str) -> None:
+    click.echo(message, err=True)
+
+
+@main.command()
 @click.argument("out_dir", type=click.Path(file_okay=False))
 def status(out_dir) -> None:
-    """Show OUT_DIR's progress: shards done, rows ok/error, tokens, throughput."""
-    from batchgen.io import manifest
-    from batchgen.pipeline.stats import job_totals
+    """Show OUT_DIR's progress: shards done, partial shards, who works on what, rows, tokens."""
+    from batchgen.pipeline.status import status_lines
 
-    job = manifest.read_job(out_dir)
-    if job is None:
-        _fail(f"{out_dir}: no batchgen output here (no {manifest.JOB_FILE})")
-    entries = {
-        k: e
-        for k, e in manifest.read_entries(out_dir).items()
-        if e.get("fingerprint") == job["fingerprint"]
-    }
-    totals = job_totals(entries)
-    total = job.get("num_shards")
-    done = os.path.exists(os.path.join(out_dir, manifest.SUCCESS_FILE))
-    click.echo(f"{out_dir}: {'complete' if done else 'in progress'}")
-    click.echo(f"shards: {totals['shards']}/{total if total is not None else '?'} committed")
-    click.echo(f"rows: {totals['ok']} ok, {totals['errors']} error(s)")
-    click.echo(
-        f"tokens: {totals['num_prompt_tokens']} prompt ({totals['num_cached_tokens']} "
-        f"cached), {totals['num_generated_tokens']} generated"
-    )
     try:
-        with open(os.path.join(out_dir, manifest.STATS_FILE)) as f:
-            last = json.load(f)["last_run"]
-        click.echo(
-            f"last run (task {last['task']}): {last['wall_s']:.1f} s, "
-            f"{last['tokens_per_s']:.1f} generated tok/s"
-        )
-    except (OSError, ValueError, KeyError):
-        pass
+        lines = status_lines(out_dir)
+    except JobError as e:
+        _fail(str(e))
+    for line in lines:
+        click.echo(line)
 
 
 @main.command("make-model")

@@ -1,7 +1,10 @@
-"""Atomic file commits: write a temp file in the target directory, fsync, rename, fsync the dir."""
+"""Atomic file commits: write a temp file in the target directory, fsync, then rename it into
+place (shared files any task may rewrite) or publish it with link(), which never replaces an
+existing file (shards, entries, claims: the first commit wins)."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import secrets
@@ -63,3 +66,56 @@ def write_bytes(final: str, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+class LostTemp(OSError):
+    """A commit's own temp file vanished before it was published (a run that took the shard
+    over removed it as debris): the commit did not happen; nothing was overwritten."""
+
+
+# link() refused by a filesystem without hard links: publish by rename after a check instead.
+_NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK}
+
+
+def publish(tmp: str, final: str) -> bool:
+    """fsync `tmp` and give it the name `final` unless that name exists: True if published,
+    False if `final` already existed (`tmp` is removed either way). The name is taken with
+    link(), which fails on an existing name, so of two processes publishing the same file
+    exactly one wins and nothing committed is ever replaced."""
+    try:
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, final)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if e.errno not in _NO_LINKS:
+                raise
+            if os.path.exists(final):
+                return False
+            os.rename(tmp, final)
+        fsync_dir(os.path.dirname(final) or ".")
+        return True
+    except FileNotFoundError as e:
+        if not os.path.exists(tmp):
+            raise LostTemp(errno.ENOENT, "temp file removed before publishing", tmp) from e
+        raise
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+
+
+def publish_bytes(final: str, data: bytes) -> bool:
+    """Create `final` holding `data` unless it exists (see publish)."""
+    tmp = temp_path(final)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return publish(tmp, final)

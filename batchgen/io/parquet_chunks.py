@@ -31,18 +31,20 @@ class Piece:
 
 
 def read_chunks(
-    path: str, id_column: str, columns: list[str], chunk_rows: int
+    path: str, id_column: str, columns: list[str], chunk_rows: int, first_row: int = 0
 ) -> Iterator[list[Piece]]:
-    """Yields the file's rows as lists of pieces of `chunk_rows` rows in all (the last fewer).
+    """Yields the file's rows from `first_row` on as lists of pieces of `chunk_rows` rows in
+    all (the last fewer).
 
     The row count and row groups come from the footer, which must be readable (the job's
-    column check reads it first); data pages are decoded chunk by chunk.
+    column check reads it first); data pages are decoded chunk by chunk, and only the row
+    groups a chunk's rows lie in are read.
     """
     lf = pl.scan_parquet(path)
     names = set(lf.collect_schema().names())
     cols = [id_column] + [c for c in columns if c in names]
     total = lf.select(pl.len()).collect().item()
-    for start in range(0, total, chunk_rows):
+    for start in range(first_row, total, chunk_rows):
         num_rows = min(chunk_rows, total - start)
         try:
             pieces = [Piece(start, num_rows, _decode(lf, cols, start, num_rows))]

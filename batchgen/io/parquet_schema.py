@@ -8,6 +8,8 @@ import functools
 import os
 
 import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 
 def parquet_schema(path: str) -> dict[str, pl.DataType]:
@@ -21,3 +23,15 @@ def parquet_schema(path: str) -> dict[str, pl.DataType]:
 def _read(path: str, size: int, mtime_ns: int) -> tuple[tuple[str, pl.DataType], ...]:
     # size and mtime_ns are part of the key only: a rewritten file is read again.
     return tuple(pl.read_parquet_schema(path).items())
+
+
+def arrow_schema(path: str) -> dict[str, pa.DataType]:
+    """{column: Arrow type} of a Parquet file, from its footer (cached like parquet_schema)."""
+    st = os.stat(path)
+    return dict(_read_arrow(os.path.realpath(path), st.st_size, st.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=16384)
+def _read_arrow(path: str, size: int, mtime_ns: int) -> tuple[tuple[str, pa.DataType], ...]:
+    schema = pq.read_schema(path)
+    return tuple((f.name, f.type) for f in schema)

@@ -13,7 +13,7 @@ import polars as pl
 from batchgen.io.json_line import BOM, NotText, loads
 from batchgen.io.parquet_chunks import Piece, read_chunks
 from batchgen.io.parquet_schema import parquet_schema
-from batchgen.io.rows import InputRow
+from batchgen.io.rows import InputRow, Position
 from batchgen.job import InputSpec, JobError
 from batchgen.short_repr import short_repr
 
@@ -147,25 +147,48 @@ def _check_id_dtype(path: str, column: str, dtype) -> None:
 
 
 class Reader:
-    """Iterates all input rows in order, in chunks of at most `chunk_rows` rows.
+    """Iterates input rows in order, in chunks of at most `chunk_rows` rows.
 
-    Duplicate ids are flagged here (first occurrence wins), so every task of a sharded job sees
-    the same verdict; the seen-id set keeps an 8-byte digest per row.
+    From the start, or from `start` (a Position from the job's shard plan) with `first_index`
+    the index of the row there. Duplicate ids (first occurrence wins) come from `duplicates`,
+    the plan's set of duplicate row indexes, so every task of a sharded job sees the same
+    verdict without reading the rows before its own; without it (`dedup`) they are found here,
+    keeping an 8-byte digest per row.
     """
 
-    def __init__(self, files: list[str], spec: InputSpec, columns: list[str], chunk_rows=1024):
+    def __init__(
+        self,
+        files: list[str],
+        spec: InputSpec,
+        columns: list[str],
+        chunk_rows=1024,
+        start: Position | None = None,
+        first_index: int = 0,
+        duplicates: set[int] | None = None,
+        dedup: bool = True,
+        limit: int | None = None,
+    ):
         self.files = files
         self.spec = spec
         self.columns = list(dict.fromkeys(c for c in columns if c != spec.id_column))
         self.chunk_rows = chunk_rows
+        self.start = start or Position(0, 0, 1)
+        self.duplicates = duplicates
+        self.dedup = dedup and duplicates is None
         self._seen: set[bytes] = set()
-        self._next_index = 0
+        self._next_index = first_index
+        self.stop_index = None if limit is None else first_index + limit
 
     def __iter__(self) -> Iterator[list[InputRow]]:
-        for path in self.files:
+        for i in range(self.start.file, len(self.files)):
+            path = self.files[i]
+            at = self.start if i == self.start.file else Position(i, 0, 1)
             fmt = file_format(path, self.spec.format)
-            chunks = self._parquet(path) if fmt == "parquet" else self._jsonl(path, fmt)
+            chunks = self._parquet(at) if fmt == "parquet" else self._jsonl(at, fmt)
             for chunk in chunks:
+                if self.stop_index is not None and chunk[-1].index >= self.stop_index - 1:
+                    yield [self._dedup(r) for r in chunk if r.index < self.stop_index]
+                    return
                 yield [self._dedup(r) for r in chunk]
 
     def _new_row(self, **kw) -> InputRow:
@@ -174,7 +197,13 @@ class Reader:
         return row
 
     def _dedup(self, row: InputRow) -> InputRow:
-        if row.error_code is None and row.id is not None:
+        if row.error_code is not None or row.id is None:
+            return row
+        if self.duplicates is not None:
+            if row.index in self.duplicates:
+                row.error_code = "duplicate_id"
+                row.error = f"{row.source}: id {row.id!r} appeared earlier; first occurrence wins"
+        elif self.dedup:
             key = hashlib.blake2b(row.id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
             if key in self._seen:
                 row.error_code = "duplicate_id"
@@ -182,16 +211,21 @@ class Reader:
             self._seen.add(key)
         return row
 
-    def _parquet(self, path: str) -> Iterator[list[InputRow]]:
-        for pieces in read_chunks(path, self.spec.id_column, self.columns, self.chunk_rows):
+    def _parquet(self, at: Position) -> Iterator[list[InputRow]]:
+        path = self.files[at.file]
+        size = self._chunk_size()
+        chunks = read_chunks(path, self.spec.id_column, self.columns, size, at.offset)
+        for pieces in chunks:
             rows = []
             for piece in pieces:
                 for i in range(piece.num_rows):
                     source = f"{path}:row {piece.start + i}"
                     if piece.records is not None:
-                        rows.append(self._make_row(piece.records[i], source))
+                        row = self._make_row(piece.records[i], source)
                     else:
-                        rows.append(self._undecodable(piece, i, source))
+                        row = self._undecodable(piece, i, source)
+                    row.pos = Position(at.file, piece.start + i, 0)
+                    rows.append(row)
             yield rows
 
     def _undecodable(self, piece: Piece, i: int, source: str) -> InputRow:
@@ -200,20 +234,32 @@ class Reader:
         row_id = id_text(piece.ids[i]) if piece.ids is not None else None
         return self._bad(source, "bad_parquet", message, row_id=row_id or None)
 
-    def _jsonl(self, path: str, fmt: str) -> Iterator[list[InputRow]]:
+    def _jsonl(self, at: Position, fmt: str) -> Iterator[list[InputRow]]:
+        path = self.files[at.file]
         rows: list[InputRow] = []
+        offset = at.offset
         with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, start=1):
-                if lineno == 1:
+            f.seek(offset)
+            for lineno, raw in enumerate(f, start=at.line):
+                start, offset = offset, offset + len(raw)
+                if start == 0:
                     raw = raw.removeprefix(BOM)
                 if not raw.strip():
                     continue
-                rows.append(self._parse_line(raw, f"{path}:{lineno}", fmt))
-                if len(rows) >= self.chunk_rows:
+                row = self._parse_line(raw, f"{path}:{lineno}", fmt)
+                row.pos = Position(at.file, start, lineno)
+                rows.append(row)
+                if len(rows) >= self._chunk_size():
                     yield rows
                     rows = []
         if rows:
             yield rows
+
+    def _chunk_size(self) -> int:
+        """chunk_rows, or fewer to end at the limit: no line past it is read."""
+        if self.stop_index is None:
+            return self.chunk_rows
+        return max(1, min(self.chunk_rows, self.stop_index - self._next_index))
 
     def _parse_line(self, raw: bytes, source: str, fmt: str) -> InputRow:
         try:

@@ -1,0 +1,91 @@
+"""Exact duplicate-id detection over a stream of ids in at most 16 bytes a row.
+
+Each unit's id is kept only as a 64-bit hash, in unit order (8 bytes a unit). At the end a
+sorted copy (8 more bytes a unit, the peak) shows which hash values occur more than once; the
+copy is dropped and the units holding those values are the candidates. Their ids are read
+again (`fetch`) and compared exactly: the first occurrence of an id wins, each later one is a
+duplicate. A hash collision between two different ids only makes both candidates, never a
+false duplicate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import polars as pl
+
+NO_ID = np.uint64(0)  # the hash slot of a unit without a usable id (an error row)
+_SCAN_BLOCK = 1 << 22  # sorted hashes compared a block at a time (4 Mi values, 4 MiB of bools)
+
+
+def _hashes(series: pl.Series) -> np.ndarray:
+    """64-bit hashes of a block of ids (polars' vectorized hash, fixed seed)."""
+    return series.hash(seed=0x5EED).to_numpy()
+
+
+class DuplicateFinder:
+    """Collects ids block by block (`add`), then `finish` lists the duplicate unit indexes."""
+
+    def __init__(self) -> None:
+        self._blocks: list[np.ndarray] = []  # uint64 hashes, unit order
+        self.num_units = 0
+
+    def add(self, ids: list[str | None]) -> None:
+        """The ids of the next len(ids) units, in order (None: the unit takes no part)."""
+        if not ids:
+            return
+        series = pl.Series(ids, dtype=pl.String)
+        hashes = _hashes(series).astype(np.uint64, copy=True)
+        hashes[hashes == NO_ID] = 1  # 0 is the no-id mark; a real hash of 0 becomes 1
+        missing = series.is_null().to_numpy()
+        hashes[missing] = NO_ID
+        self._blocks.append(hashes)
+        self.num_units += len(ids)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._blocks)
+
+    def repeated_hashes(self) -> np.ndarray:
+        """Hash values held by more than one unit (sorted, without NO_ID)."""
+        if not self._blocks:
+            return np.empty(0, dtype=np.uint64)
+        ordered = np.concatenate(self._blocks)
+        ordered.sort()
+        found = []
+        for a in range(0, len(ordered) - 1, _SCAN_BLOCK):
+            part = ordered[a : a + _SCAN_BLOCK + 1]
+            same = part[1:] == part[:-1]
+            if same.any():
+                found.append(np.unique(part[1:][same]))
+        del ordered
+        values = np.unique(np.concatenate(found)) if found else np.empty(0, dtype=np.uint64)
+        return values[values != NO_ID]
+
+    def candidates(self, repeated: np.ndarray) -> Iterator[int]:
+        """Unit indexes whose hash is one of `repeated`, ascending."""
+        base = 0
+        for block in self._blocks:
+            hits = np.flatnonzero(np.isin(block, repeated, assume_unique=False))
+            yield from (base + int(i) for i in hits)
+            base += len(block)
+
+    def finish(self, fetch: Callable[[list[int]], list[str]]) -> list[int]:
+        """Duplicate unit indexes (every occurrence after an id's first), ascending.
+
+        Args:
+            fetch: the exact ids of the given unit indexes (ascending), in the same order.
+        """
+        repeated = self.repeated_hashes()
+        if len(repeated) == 0:
+            return []
+        candidates = list(self.candidates(repeated))
+        ids = fetch(candidates)
+        seen: set[str] = set()
+        out = []
+        for index, unit_id in zip(candidates, ids):
+            if unit_id in seen:
+                out.append(index)
+            seen.add(unit_id)
+        return out

@@ -1,0 +1,111 @@
+"""Shard plans: one scan finds each shard's start; reading a shard from there equals reading
+the whole input and slicing it (JSONL, Parquet row groups, several files, groups)."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.io.parquet_schema import arrow_schema
+from batchgen.io.readers import Reader
+from batchgen.io.scan import scan
+from batchgen.io.score_reader import GroupReader
+from batchgen.io.shard_plan import ShardPlan, encode, read_plan, write_plan
+from batchgen.job import InputSpec
+
+SPEC = InputSpec(path="x")
+
+
+def write_inputs(tmp_path):
+    """Two JSONL files (blank, bad and duplicate lines, a BOM) and a Parquet file of 5 row
+    groups, read in that order."""
+    a = tmp_path / "a.jsonl"
+    lines = [json.dumps({"id": f"a{i}", "text": f"t{i}", "n": i}) for i in range(23)]
+    lines[4] = "{broken"
+    lines[9] = ""
+    lines[12] = json.dumps({"id": "a3", "text": "dup", "n": 1.5})
+    a.write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode() + b"\n")
+    b = tmp_path / "b.jsonl"
+    b.write_text("".join(json.dumps({"id": f"b{i}", "text": "x", "n": i}) + "\n" for i in range(6)))
+    c = tmp_path / "c.parquet"
+    ids = [f"c{i}" for i in range(37)]
+    ids[20] = "b2"  # a duplicate of a JSONL row
+    table = pa.table({"id": ids, "text": [f"p{i}" for i in range(37)], "n": list(range(37))})
+    pq.write_table(table, c, row_group_size=8)
+    return [str(a), str(b), str(c)]
+
+
+def make_plan(files, reader_cls, shard_rows, **kw):
+    formats = ["parquet" if f.endswith(".parquet") else "jsonl" for f in files]
+
+    def read(start, first_index, limit):
+        return reader_cls(files, start=start, first_index=first_index, limit=limit, dedup=False)
+
+    return scan(read, files, formats, ["n"], arrow_schema, shard_rows, "key", {}, **kw)
+
+
+def rows(reader) -> list[tuple]:
+    return [(u.index, u.id, u.error_code, u.source, u.data) for c in reader for u in c]
+
+
+@pytest.mark.parametrize("shard_rows", [1, 5, 8, 13, 100])
+def test_each_shard_read_from_its_start_equals_the_whole_read(tmp_path, shard_rows):
+    files = write_inputs(tmp_path)
+    plan = make_plan(files, lambda f, **kw: Reader(f, SPEC, ["text", "n"], 3, **kw), shard_rows)
+    whole = rows(Reader(files, SPEC, ["text", "n"], 4))  # dedup as a run without a plan does
+    assert plan.num_units == len(whole) == 22 + 6 + 37
+    assert plan.duplicates == [i for i, *rest in whole if rest[1] == "duplicate_id"]
+    assert len(plan.duplicates) == 2
+    assert plan.columns["n"] == pa.float64()  # ints and 1.5 in JSONL, int64 in Parquet
+    for k in range(plan.num_shards):
+        first, stop = plan.shard_units(k)
+        reader = Reader(
+            files,
+            SPEC,
+            ["text", "n"],
+            3,
+            start=plan.starts[k],
+            first_index=first,
+            limit=stop - first,
+            duplicates=plan.duplicates_in(k),
+        )
+        assert rows(reader) == whole[first:stop], k
+
+
+def test_group_units_seek_to_their_first_row(tmp_path):
+    path = tmp_path / "g.jsonl"
+    recs = []
+    for g in range(12):
+        recs += [{"g": f"g{g % 10}", "t": "p", "c": f"c{j}"} for j in range(1 + g % 3)]
+    recs.insert(7, {"t": "no group"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    files = [str(path)]
+
+    def group_reader(f, **kw):
+        return GroupReader(f, SPEC, ["t", "c"], "g", 2, **kw)
+
+    plan = make_plan(files, group_reader, 4)
+    whole = rows(GroupReader(files, SPEC, ["t", "c"], "g", 5))
+    assert plan.num_units == len(whole) == 13
+    assert plan.duplicates == [11, 12]  # g0 and g1 come back after other groups
+    for k in range(plan.num_shards):
+        first, stop = plan.shard_units(k)
+        got = GroupReader(
+            files, SPEC, ["t", "c"], "g", 2, start=plan.starts[k], first_index=first,
+            limit=stop - first, duplicates=plan.duplicates_in(k),
+        )  # fmt: skip
+        assert rows(got) == whole[first:stop], k
+
+
+def test_plan_file_round_trip_is_byte_stable(tmp_path):
+    files = write_inputs(tmp_path)
+    reader = lambda f, **kw: Reader(f, SPEC, ["text", "n"], 5, **kw)  # noqa: E731
+    one, two = make_plan(files, reader, 7), make_plan(files, reader, 7)
+    assert encode(one) == encode(two)  # racing planners write the same bytes
+    write_plan(str(tmp_path), one)
+    back = read_plan(str(tmp_path), "key")
+    assert isinstance(back, ShardPlan) and encode(back) == encode(one)
+    assert read_plan(str(tmp_path), "another key") is None
