@@ -151,6 +151,9 @@ class ShardLoop:
             if done is not None:
                 entry, new = done
                 r.note_committed(k, entry, new)
+                if new:
+                    kept = f", {len(shard.taken)} piece(s) merged" if shard.taken else ""
+                    r.log(f"shard {k}: committed {entry.get('rows')} row(s){kept}")
         finally:
             r.keeper.release(shard.lock)
 
