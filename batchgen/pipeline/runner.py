@@ -211,7 +211,9 @@ class Runner:
         """The request planner (loading the model on first use)."""
         if self.engine is None:
             self.log(f"loading model {self.job.model.path} ...")
+            started = time.monotonic()
             self.engine = self.engine_factory(self.job)
+            self.log(f"model loaded in {time.monotonic() - started:.1f} s")
             # The engine's own limits: rows it would refuse become error records up front.
             self._plan = self.mode.planner(self.renderer, self.tokenizer, self.engine.limits)
         return self._plan
