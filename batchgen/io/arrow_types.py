@@ -95,21 +95,58 @@ def final(t: ColumnType) -> ColumnType:
     return pa.string() if t != MIXED and pa.types.is_null(t) else t
 
 
+def kind_of_value(value: Any) -> str | None:
+    """A JSON value's kind, for messages (None for null)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", dict: "object", list: "list"}.get(type(value), type(value).__name__)
+
+
+def kind_of_type(t: pa.DataType) -> str | None:
+    """The kind of value an Arrow type holds, for messages (None for null)."""
+    if pa.types.is_null(t):
+        return None
+    if pa.types.is_boolean(t):
+        return "bool"
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t):
+        return "number"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "string"
+    if pa.types.is_struct(t):
+        return "object"
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return "list"
+    return str(t)
+
+
 class ColumnTypes:
-    """Accumulates the types of the passthrough columns over a scan, block by block."""
+    """Accumulates the types of the passthrough columns over a scan, block by block, and
+    where each kind of value was first seen (the same however the values are blocked)."""
 
     def __init__(self, columns: Iterable[str]):
         self.types: dict[str, ColumnType] = {c: pa.null() for c in columns}
         self.origins: dict[str, dict[str, str]] = {c: {} for c in self.types}
 
     def add_values(self, column: str, values: list[Any], origin: str) -> None:
-        self.add_type(column, infer(values), origin)
+        t = infer(values)
+        if t == MIXED:
+            for kind in dict.fromkeys(map(kind_of_value, values)):
+                if kind is not None:
+                    self.origins[column].setdefault(kind, origin)
+            self.types[column] = MIXED
+        else:
+            self.add_type(column, t, origin)
 
     def add_type(self, column: str, t: ColumnType, origin: str) -> None:
         if t != MIXED:
             t = normalize(t)
-        if t == MIXED or not pa.types.is_null(t):
-            self.origins[column].setdefault(str(t), origin)
+            kind = kind_of_type(t) if t != MIXED else None
+            if kind is not None:
+                self.origins[column].setdefault(kind, origin)
         self.types[column] = merge(self.types[column], t)
 
     def result(self) -> dict[str, ColumnType]:

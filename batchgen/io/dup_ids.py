@@ -43,6 +43,15 @@ class DuplicateFinder:
         self._blocks.append(hashes)
         self.num_units += len(ids)
 
+    def add_hashes(self, hashes: np.ndarray) -> None:
+        """Hashes made by another finder (`blocks`), for the next units in order."""
+        self._blocks.append(hashes)
+        self.num_units += len(hashes)
+
+    def blocks(self) -> list[np.ndarray]:
+        """The hashes so far, in unit order, as one array (to hand to another finder)."""
+        return [np.concatenate(self._blocks)] if self._blocks else []
+
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self._blocks)

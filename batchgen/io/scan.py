@@ -5,17 +5,31 @@ what a run will see), and keeps: each shard's first Position, each unit's id as 
 (dup_ids: 8 bytes a unit, 16 at the peak), and the passthrough columns' types (arrow_types,
 block by block). Nothing else of a row outlives its chunk, so memory does not grow with the
 input beyond those 8-16 bytes a unit.
+
+JSONL input of row units can be scanned by several processes (`workers`): the files are cut
+into byte ranges at line ends, a first pass counts each range's rows and lines (so each range
+knows the index and line number it starts at), and each worker then runs the same reader over
+its range; their results are joined in input order.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
 
-from batchgen.io.arrow_types import MIXED, ColumnTypes, describe
+import numpy as np
+
+from batchgen.io.arrow_types import MIXED, ColumnTypes, describe, merge
 from batchgen.io.dup_ids import DuplicateFinder
+from batchgen.io.json_line import BOM
 from batchgen.io.rows import InputRow, Position
 from batchgen.io.shard_plan import ShardPlan
+
+RANGE_BYTES = 64 << 20  # the byte range a worker scans at a time
 
 # reader(start, first_index, limit) -> chunks of units (no de-duplication), from `start` on.
 ReaderFactory = Callable[[Position | None, int, int | None], Iterable[list[InputRow]]]
@@ -31,16 +45,20 @@ def scan(
     key: str,
     settings: dict,
     log: Callable[[str], None] = lambda m: None,
+    workers: int = 1,
+    splittable: bool = False,
 ) -> ShardPlan:
     """Scan the input once and return its plan.
 
     Args:
-        read: the job's reader from a position (see ReaderFactory).
+        read: the job's reader from a position (see ReaderFactory); picklable for workers.
         files / formats: the input files and their formats, in reading order.
         passthrough: the columns copied to the output (their types are fixed here).
         footer_types: a Parquet file's {column: Arrow type} from its footer.
         shard_rows: units per shard.
         key / settings: what the plan depends on (see shard_plan.plan_key).
+        workers: processes to scan with (JSONL row units only, see `splittable`).
+        splittable: a unit is one line (not a group of lines), so byte ranges scan apart.
     """
     started = time.monotonic()
     types = ColumnTypes(passthrough)
@@ -50,25 +68,22 @@ def scan(
             for c in passthrough:
                 if c in found:
                     types.add_type(c, found[c], path)
+    ranges = []
+    if workers > 1 and splittable and "parquet" not in formats:
+        ranges = split_ranges(files, RANGE_BYTES)
+    if len(ranges) > 1:
+        part = _scan_parallel(read, files, formats, passthrough, shard_rows, ranges, workers)
+    else:
+        part = _scan_units(read(None, 0, None), files, formats, passthrough, shard_rows)
     finder = DuplicateFinder()
-    starts: list[Position] = []
-    num_units = 0
-    for chunk in read(None, 0, None):
-        ids: list[str | None] = []
-        values: dict[str, list] = {c: [] for c in passthrough}
-        for unit in chunk:
-            if unit.index % shard_rows == 0:
-                starts.append(unit.pos)
-            ids.append(unit.id if unit.error_code is None else None)
-            if unit.data is not None and formats[unit.pos.file] != "parquet":
-                for c in passthrough:
-                    values[c].append(unit.data.get(c))
-        num_units += len(chunk)
-        finder.add(ids)
-        for c, vals in values.items():
-            if vals:
-                types.add_values(c, vals, files[chunk[0].pos.file])
+    for block in part.hashes:
+        finder.add_hashes(block)
+    for c in passthrough:
+        for kind, where in part.origins.get(c, {}).items():
+            types.origins[c].setdefault(kind, where)
+        types.types[c] = _merge_into(types.types[c], part.types.get(c))
     dup_bytes = finder.nbytes
+    num_units, starts = part.num_units, part.starts
 
     def fetch(indexes: list[int]) -> list[str]:
         return _ids_at(read, starts, shard_rows, indexes)
@@ -96,6 +111,125 @@ def scan(
         notes=notes,
         settings=settings,
     )
+
+
+def _merge_into(t, more):
+    return t if more is None else merge(t, more)
+
+
+@dataclass
+class _Part:
+    """What the scan of some consecutive units found."""
+
+    num_units: int = 0
+    starts: list[Position] = field(default_factory=list)
+    hashes: list[np.ndarray] = field(default_factory=list)
+    types: dict = field(default_factory=dict)
+    origins: dict = field(default_factory=dict)
+
+
+def _scan_units(
+    chunks: Iterable[list[InputRow]],
+    files: list[str],
+    formats: list[str],
+    passthrough: list[str],
+    shard_rows: int,
+) -> _Part:
+    types = ColumnTypes(passthrough)
+    finder = DuplicateFinder()
+    part = _Part()
+    for chunk in chunks:
+        ids: list[str | None] = []
+        values: dict[str, list] = {c: [] for c in passthrough}
+        for unit in chunk:
+            if unit.index % shard_rows == 0:
+                part.starts.append(unit.pos)
+            ids.append(unit.id if unit.error_code is None else None)
+            if unit.data is not None and formats[unit.pos.file] != "parquet":
+                for c in passthrough:
+                    values[c].append(unit.data.get(c))
+        part.num_units += len(chunk)
+        finder.add(ids)
+        for c, vals in values.items():
+            if vals:
+                types.add_values(c, vals, files[chunk[0].pos.file])
+    part.hashes = finder.blocks()
+    part.types, part.origins = dict(types.types), types.origins
+    return part
+
+
+def split_ranges(files: list[str], size: int) -> list[tuple[int, int, int]]:
+    """(file, start, stop) byte ranges of about `size` bytes, cut after a newline."""
+    out = []
+    for i, path in enumerate(files):
+        total = os.path.getsize(path)
+        start = 0
+        with open(path, "rb") as f:
+            while start < total:
+                stop = min(total, start + size)
+                if stop < total:
+                    f.seek(stop)
+                    stop = min(total, stop + len(f.readline()))
+                out.append((i, start, stop))
+                start = stop
+    return out
+
+
+def _count_range(path: str, start: int, stop: int) -> tuple[int, int]:
+    """(rows, newlines) in a byte range of a JSONL file: rows are its non-blank lines, as the
+    reader counts them (a BOM at the file's start is no content)."""
+    rows = newlines = 0
+    tail = b""
+    with open(path, "rb") as f:
+        f.seek(start)
+        pos = start
+        while pos < stop:
+            block = f.read(min(stop - pos, 8 << 20))
+            if not block:
+                break
+            if pos == 0:
+                block = block.removeprefix(BOM)  # the file's start: no content
+            pos = f.tell()
+            lines = (tail + block).split(b"\n")
+            tail = lines.pop()  # the part after the last newline: continued by the next block
+            newlines += len(lines)
+            rows += sum(1 for line in lines if line.strip())
+    if tail.strip():
+        rows += 1
+    return rows, newlines
+
+
+def _count(args) -> tuple[int, int]:
+    return _count_range(*args)
+
+
+def _scan_range(args) -> _Part:
+    read, files, formats, passthrough, shard_rows, start, first_index, limit = args
+    chunks = read(start, first_index, limit)
+    return _scan_units(chunks, files, formats, passthrough, shard_rows)
+
+
+def _scan_parallel(read, files, formats, passthrough, shard_rows, ranges, workers) -> _Part:
+    context = multiprocessing.get_context("spawn")  # no fork of a process with threads
+    with ProcessPoolExecutor(min(workers, len(ranges)), mp_context=context) as pool:
+        counts = list(pool.map(_count, [(files[i], a, b) for i, a, b in ranges]))
+        jobs, first_index, line = [], 0, {}
+        for (i, a, _), (rows, newlines) in zip(ranges, counts):
+            at = Position(i, a, line.get(i, 1))
+            jobs.append((read, files, formats, passthrough, shard_rows, at, first_index, rows))
+            first_index += rows
+            line[i] = line.get(i, 1) + newlines
+        whole = _Part()
+        for part in pool.map(_scan_range, [j for j in jobs if j[-1] > 0]):
+            whole.num_units += part.num_units
+            whole.starts += part.starts
+            whole.hashes += part.hashes
+            for c, t in part.types.items():
+                whole.types[c] = _merge_into(whole.types.get(c, t), t)
+            for c, kinds in part.origins.items():
+                for kind, where in kinds.items():
+                    whole.origins.setdefault(c, {}).setdefault(kind, where)
+    return whole
 
 
 def _ids_at(

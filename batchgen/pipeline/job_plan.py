@@ -8,14 +8,18 @@ key differs) is made again.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from batchgen.io import locks
 from batchgen.io.parquet_schema import arrow_schema
+from batchgen.io.rows import Position
 from batchgen.io.scan import scan
 from batchgen.io.shard_plan import ShardPlan, plan_key, read_plan, write_plan
 from batchgen.job import JobSpec
+from batchgen.pipeline.modes import mode_for
 from batchgen.pipeline.signals import StopFlag
 
 PLAN_LOCK = "_plan.lock"
@@ -24,6 +28,31 @@ POLL_S = 0.2
 
 class Stopped(Exception):
     """A stop signal came while waiting for another task's plan."""
+
+
+@dataclass(frozen=True)
+class UnitReader:
+    """The job's units from a position, without de-duplication (the plan finds duplicates);
+    picklable, so worker processes can scan byte ranges with it."""
+
+    job: JobSpec
+    files: list[str]
+    columns: list[str]
+
+    def __call__(self, start: Position | None, first_index: int, limit: int | None):
+        return mode_for(self.job).reader(
+            self.files, self.columns, start=start, first_index=first_index, limit=limit,
+            dedup=False,
+        )  # fmt: skip
+
+
+def default_workers() -> int:
+    """Processes to scan with: the CPUs this process may use (a Slurm task's share), at
+    most 16."""
+    try:
+        return max(1, min(16, len(os.sched_getaffinity(0))))
+    except AttributeError:
+        return max(1, min(16, os.cpu_count() or 1))
 
 
 def plan_settings(job: JobSpec, mode, input_fingerprint: str) -> dict:
@@ -49,6 +78,7 @@ def ensure_plan(
     keeper: locks.LeaseKeeper,
     task: str = "",
     log: Callable[[str], None] = lambda m: None,
+    workers: int = 1,
 ) -> ShardPlan:
     """The plan in the output directory for this input, made now if there is none (the plan
     lock's lease is renewed by `keeper` while the scan runs)."""
@@ -77,13 +107,8 @@ def ensure_plan(
         if plan is not None:
             return plan
 
-        def read(start, first_index, limit):
-            return mode.reader(
-                files, columns, start=start, first_index=first_index, limit=limit, dedup=False
-            )
-
         plan = scan(
-            read,
+            UnitReader(job, files, columns),
             files,
             formats,
             list(job.input.columns),
@@ -92,6 +117,8 @@ def ensure_plan(
             key,
             settings,
             log,
+            workers=workers,
+            splittable=mode.unit_kind() == "rows",
         )
         write_plan(out, plan)
         return plan

@@ -19,7 +19,7 @@ from batchgen.job import JobError, JobSpec
 from batchgen.pipeline import engine_factory as factory
 from batchgen.pipeline.fingerprint import fingerprint, fingerprint_parts
 from batchgen.pipeline.job_limits import check_job_limits
-from batchgen.pipeline.job_plan import Stopped, ensure_plan
+from batchgen.pipeline.job_plan import Stopped, default_workers, ensure_plan
 from batchgen.pipeline.modes import mode_for
 from batchgen.pipeline.progress import Progress
 from batchgen.pipeline.shard_commit import ShardCommitter
@@ -58,6 +58,8 @@ class Runner:
         lease_s: how long a lock of this run stays valid without renewal (renewed every
             quarter of it); other hosts take over a shard whose holder's lease lapsed.
         holder: a note for the lock files (e.g. the Slurm job), shown by `batchgen status`.
+        plan_workers: processes that scan the input if this run makes the shard plan
+            (default: the CPUs it may use, at most 16).
         log: where messages go (default stderr).
     """
 
@@ -75,6 +77,7 @@ class Runner:
         chunk_rows: int = 1024,
         lease_s: float = locks.DEFAULT_LEASE_S,
         holder: str = "",
+        plan_workers: int | None = None,
         log: Callable[[str], None] | None = None,
     ):
         self.job = job
@@ -94,6 +97,7 @@ class Runner:
         self.task = f"{self.shard}{' ' + holder if holder else ''}"
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.out_dir = job.output.path
+        self.plan_workers = plan_workers
         self.engine = None
         self.keeper: locks.LeaseKeeper | None = None
 
@@ -141,6 +145,7 @@ class Runner:
             self.keeper,
             self.task,
             self.log,
+            self.plan_workers or default_workers(),
         )
         record = manifest.read_job(self.out_dir) or {}
         if record.get("num_shards") != self.plan.num_shards:

@@ -51,7 +51,14 @@ def test_column_types_over_blocks_and_all_null_is_text():
     types.add_values("m", [1], "a")
     types.add_values("m", ["x"], "b")
     assert types.result() == {"n": pa.float64(), "none": pa.string(), "m": MIXED}
-    assert types.origins["m"] == {"int64": "a", "string": "b"}
+    assert types.origins["m"] == {"number": "a", "string": "b"}
+    # Where each kind was first seen does not depend on how the values were blocked.
+    one = ColumnTypes(["m"])
+    one.add_values("m", [1, 2.5, None, "x", {"k": 1}], "f")
+    split = ColumnTypes(["m"])
+    for block in ([1], [2.5, None], ["x"], [{"k": 1}]):
+        split.add_values("m", block, "f")
+    assert one.origins == split.origins == {"m": {"number": "f", "string": "f", "object": "f"}}
 
 
 def test_json_round_trip_and_arrays():

@@ -109,3 +109,31 @@ def test_plan_file_round_trip_is_byte_stable(tmp_path):
     back = read_plan(str(tmp_path), "key")
     assert isinstance(back, ShardPlan) and encode(back) == encode(one)
     assert read_plan(str(tmp_path), "another key") is None
+
+
+def test_workers_over_byte_ranges_make_the_same_plan(tmp_path, monkeypatch):
+    from batchgen.io import scan as scan_module
+    from batchgen.job.spec import JobSpec, ModelSpec, OutputSpec, PromptSpec, SamplingSpec
+    from batchgen.pipeline.job_plan import UnitReader
+
+    files = write_inputs(tmp_path)[:2]  # JSONL only: a BOM, blank, bad and duplicate lines
+    c = tmp_path / "c.jsonl"
+    c.write_text("\n\n" + "".join(json.dumps({"id": f"c{i}", "text": "y", "n": [i]}) + "\n"
+                                  for i in range(40)) + '{"id": "a7", "text": "z"}')  # fmt: skip
+    files.append(str(c))
+    job = JobSpec(
+        model=ModelSpec(path="m"),
+        input=InputSpec(path="x", columns=("n",)),
+        prompt=PromptSpec(template="{text}"),
+        sampling=SamplingSpec(),
+        output=OutputSpec(path="out", shard_rows=7),
+    )
+    read = UnitReader(job, files, ["text", "n"])
+    formats = ["jsonl"] * 3
+    one = scan(read, files, formats, ["n"], arrow_schema, 7, "k", {})
+    monkeypatch.setattr(scan_module, "RANGE_BYTES", 97)  # ranges of a line or two
+    assert len(scan_module.split_ranges(files, 97)) > 10
+    many = scan(read, files, formats, ["n"], arrow_schema, 7, "k", {}, workers=2, splittable=True)
+    assert encode(many) == encode(one)  # the same bytes, whatever the number of workers
+    assert many.num_units == 22 + 6 + 41 and len(many.duplicates) == 2
+    assert many.notes == one.notes and many.notes  # n: numbers in a and b, lists in c
