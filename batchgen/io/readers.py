@@ -262,21 +262,10 @@ class Reader:
         return max(1, min(self.chunk_rows, self.stop_index - self._next_index))
 
     def _parse_line(self, raw: bytes, source: str, fmt: str) -> InputRow:
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            return self._bad(source, "invalid_utf8", f"line is not valid UTF-8 ({e.reason})")
-        try:
-            obj = loads(text)
-        except NotText as e:
-            return self._bad(source, "bad_json", f"line is JSON but not text: {e}")
-        except ValueError as e:
-            return self._bad(source, "bad_json", f"line is not valid JSON ({e})")
-        if not isinstance(obj, dict):
-            return self._bad(source, "bad_json", "line is JSON but not an object")
-        if fmt == "openai-batch":
-            return self._openai_row(obj, source)
-        return self._make_row(obj, source)
+        row_id, data, code, message = parse_line(raw, fmt, self.spec.id_column, self.columns)
+        if code is not None:
+            return self._bad(source, code, str(message), row_id=row_id)
+        return self._new_row(id=row_id, data=data, source=source)
 
     def _bad(self, source: str, code: str, message: str, row_id=None) -> InputRow:
         return self._new_row(
@@ -284,31 +273,59 @@ class Reader:
         )
 
     def _make_row(self, rec: dict[str, Any], source: str) -> InputRow:
-        key = self.spec.id_column
-        raw_id = rec.get(key)
-        if raw_id is None or raw_id == "":
-            return self._bad(source, "missing_id", f"no {key!r} value")
-        row_id = id_text(raw_id)
-        if row_id is None:
-            return self._bad(source, "bad_id", _bad_id_message(key, raw_id))
-        data = {c: rec[c] for c in self.columns if c in rec}
+        row_id, data, code, message = record_fields(rec, self.spec.id_column, self.columns)
+        if code is not None:
+            return self._bad(source, code, str(message), row_id=row_id)
         return self._new_row(id=row_id, data=data, source=source)
 
-    def _openai_row(self, obj: dict[str, Any], source: str) -> InputRow:
-        custom_id = obj.get("custom_id")
-        if custom_id is None or custom_id == "":
-            return self._bad(source, "missing_id", "no 'custom_id' value")
-        row_id = id_text(custom_id)
-        if row_id is None:
-            return self._bad(source, "bad_id", _bad_id_message("custom_id", custom_id))
-        url, body = obj.get("url"), obj.get("body")
-        if url not in OPENAI_URLS or not isinstance(body, dict):
-            return self._bad(
-                source,
-                "bad_params",
-                f"url must be one of {', '.join(OPENAI_URLS)} and body an object (got {url!r})",
-                row_id=row_id,
-            )
-        data = {c: obj[c] for c in self.columns if c in obj}
-        data[OPENAI_KEY] = {"url": url, "body": body}
-        return self._new_row(id=row_id, data=data, source=source)
+
+# (id, data, error_code, message): one input row's fields, or why it is an error record.
+Fields = tuple[str | None, dict[str, Any] | None, str | None, str | None]
+
+
+def parse_line(raw: bytes, fmt: str, id_column: str, columns: list[str]) -> Fields:
+    """One non-blank JSONL (or OpenAI batch) line: its id and the `columns` it holds, or the
+    error it is. The one definition of a line's verdict: the Reader and the shard plan's scan
+    both use it, so a plan and a run agree on every row."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, None, "invalid_utf8", f"line is not valid UTF-8 ({e.reason})"
+    try:
+        obj = loads(text)
+    except NotText as e:
+        return None, None, "bad_json", f"line is JSON but not text: {e}"
+    except ValueError as e:
+        return None, None, "bad_json", f"line is not valid JSON ({e})"
+    if not isinstance(obj, dict):
+        return None, None, "bad_json", "line is JSON but not an object"
+    if fmt == "openai-batch":
+        return _openai_fields(obj, columns)
+    return record_fields(obj, id_column, columns)
+
+
+def record_fields(rec: dict[str, Any], key: str, columns: list[str]) -> Fields:
+    """A record's id and `columns`, or its missing_id / bad_id error."""
+    raw_id = rec.get(key)
+    if raw_id is None or raw_id == "":
+        return None, None, "missing_id", f"no {key!r} value"
+    row_id = id_text(raw_id)
+    if row_id is None:
+        return None, None, "bad_id", _bad_id_message(key, raw_id)
+    return row_id, {c: rec[c] for c in columns if c in rec}, None, None
+
+
+def _openai_fields(obj: dict[str, Any], columns: list[str]) -> Fields:
+    custom_id = obj.get("custom_id")
+    if custom_id is None or custom_id == "":
+        return None, None, "missing_id", "no 'custom_id' value"
+    row_id = id_text(custom_id)
+    if row_id is None:
+        return None, None, "bad_id", _bad_id_message("custom_id", custom_id)
+    url, body = obj.get("url"), obj.get("body")
+    if url not in OPENAI_URLS or not isinstance(body, dict):
+        message = f"url must be one of {', '.join(OPENAI_URLS)} and body an object (got {url!r})"
+        return row_id, None, "bad_params", message
+    data = {c: obj[c] for c in columns if c in obj}
+    data[OPENAI_KEY] = {"url": url, "body": body}
+    return row_id, data, None, None

@@ -6,10 +6,11 @@ what a run will see), and keeps: each shard's first Position, each unit's id as 
 block by block). Nothing else of a row outlives its chunk, so memory does not grow with the
 input beyond those 8-16 bytes a unit.
 
-JSONL input of row units can be scanned by several processes (`workers`): the files are cut
-into byte ranges at line ends, a first pass counts each range's rows and lines (so each range
-knows the index and line number it starts at), and each worker then runs the same reader over
-its range; their results are joined in input order.
+JSONL input of row units (`lines`: one unit a line) takes a leaner path: lines are judged by
+readers.parse_line, the function the Reader itself uses, without building row objects; and
+several processes (`workers`) can share it: the files are cut into byte ranges at line ends, a
+first pass counts each range's rows and lines (so each range knows the index and line number
+it starts at), then each worker scans its range; their results are joined in input order.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 from batchgen.io.arrow_types import MIXED, ColumnTypes, describe, merge
 from batchgen.io.dup_ids import DuplicateFinder
 from batchgen.io.json_line import BOM
+from batchgen.io.readers import parse_line
 from batchgen.io.rows import InputRow, Position
 from batchgen.io.shard_plan import ShardPlan
 
@@ -46,7 +48,7 @@ def scan(
     settings: dict,
     log: Callable[[str], None] = lambda m: None,
     workers: int = 1,
-    splittable: bool = False,
+    lines: LineSpec | None = None,
 ) -> ShardPlan:
     """Scan the input once and return its plan.
 
@@ -57,8 +59,8 @@ def scan(
         footer_types: a Parquet file's {column: Arrow type} from its footer.
         shard_rows: units per shard.
         key / settings: what the plan depends on (see shard_plan.plan_key).
-        workers: processes to scan with (JSONL row units only, see `splittable`).
-        splittable: a unit is one line (not a group of lines), so byte ranges scan apart.
+        workers: processes to scan with (with `lines` only).
+        lines: given when a unit is one line of JSONL input: how a line is judged.
     """
     started = time.monotonic()
     types = ColumnTypes(passthrough)
@@ -68,11 +70,10 @@ def scan(
             for c in passthrough:
                 if c in found:
                     types.add_type(c, found[c], path)
-    ranges = []
-    if workers > 1 and splittable and "parquet" not in formats:
-        ranges = split_ranges(files, RANGE_BYTES)
-    if len(ranges) > 1:
-        part = _scan_parallel(read, files, formats, passthrough, shard_rows, ranges, workers)
+    if lines is not None and "parquet" not in formats:
+        ranges = split_ranges(files, RANGE_BYTES if workers > 1 else 1 << 62)
+        task = _LineScan(files, formats, lines.id_column, passthrough, shard_rows)
+        part = _scan_parallel(task, ranges, workers)
     else:
         part = _scan_units(read(None, 0, None), files, formats, passthrough, shard_rows)
     finder = DuplicateFinder()
@@ -199,28 +200,102 @@ def _count_range(path: str, start: int, stop: int) -> tuple[int, int]:
     return rows, newlines
 
 
-def _count(args) -> tuple[int, int]:
-    return _count_range(*args)
+@dataclass(frozen=True)
+class LineSpec:
+    """How the lean path reads a line's id (the format comes with each file)."""
+
+    id_column: str
 
 
-def _scan_range(args) -> _Part:
-    read, files, formats, passthrough, shard_rows, start, first_index, limit = args
-    chunks = read(start, first_index, limit)
-    return _scan_units(chunks, files, formats, passthrough, shard_rows)
+@dataclass(frozen=True)
+class _LineScan:
+    files: list[str]
+    formats: list[str]
+    id_column: str
+    passthrough: list[str]
+    shard_rows: int
+
+    def count(self, where: tuple[int, int, int]) -> tuple[int, int]:
+        i, start, stop = where
+        return _count_range(self.files[i], start, stop)
+
+    def scan(self, job: tuple[tuple[int, int, int], int, int]) -> _Part:
+        """The units of byte range `where`, the first being unit `index` on line `line`."""
+        (i, start, stop), index, line = job
+        path, fmt = self.files[i], self.formats[i]
+        types = ColumnTypes(self.passthrough)
+        finder = DuplicateFinder()
+        part = _Part()
+        ids: list[str | None] = []
+        values: dict[str, list] = {c: [] for c in self.passthrough}
+
+        def flush() -> None:
+            finder.add(ids)
+            for c, vals in values.items():
+                if vals:
+                    types.add_values(c, vals, path)
+                vals.clear()
+            ids.clear()
+
+        with open(path, "rb") as f:
+            f.seek(start)
+            offset = start
+            for raw in f:
+                if offset >= stop:
+                    break
+                at, offset = offset, offset + len(raw)
+                if at == 0:
+                    raw = raw.removeprefix(BOM)
+                if raw.strip():
+                    if index % self.shard_rows == 0:
+                        part.starts.append(Position(i, at, line))
+                    row_id, data, code, _ = parse_line(raw, fmt, self.id_column, self.passthrough)
+                    ids.append(row_id if code is None else None)
+                    if data is not None:
+                        for c in self.passthrough:
+                            values[c].append(data.get(c))
+                    index += 1
+                    if len(ids) >= 4096:
+                        flush()
+                line += 1
+        flush()
+        part.num_units = finder.num_units
+        part.hashes = finder.blocks()
+        part.types, part.origins = dict(types.types), types.origins
+        return part
 
 
-def _scan_parallel(read, files, formats, passthrough, shard_rows, ranges, workers) -> _Part:
-    context = multiprocessing.get_context("spawn")  # no fork of a process with threads
-    with ProcessPoolExecutor(min(workers, len(ranges)), mp_context=context) as pool:
-        counts = list(pool.map(_count, [(files[i], a, b) for i, a, b in ranges]))
-        jobs, first_index, line = [], 0, {}
-        for (i, a, _), (rows, newlines) in zip(ranges, counts):
-            at = Position(i, a, line.get(i, 1))
-            jobs.append((read, files, formats, passthrough, shard_rows, at, first_index, rows))
-            first_index += rows
-            line[i] = line.get(i, 1) + newlines
+def _call(args):
+    method, arg = args
+    return method(arg)
+
+
+def _scan_parallel(task: _LineScan, ranges: list[tuple[int, int, int]], workers: int) -> _Part:
+    """Count each range's rows and lines, then scan the ranges; in `workers` processes when
+    there are several ranges."""
+    if workers > 1 and len(ranges) > 1:
+        context = multiprocessing.get_context("spawn")  # no fork of a process with threads
+        pool = ProcessPoolExecutor(min(workers, len(ranges)), mp_context=context)
+        run = lambda method, args: pool.map(_call, [(method, a) for a in args])  # noqa: E731
+    else:
+        pool = None
+        run = lambda method, args: map(method, args)  # noqa: E731
+    try:
+        if pool is None:  # one range a file, in order: each starts where the last ended
+            parts, index = [], 0
+            for where in ranges:
+                parts.append(task.scan((where, index, 1)))
+                index += parts[-1].num_units
+        else:
+            counts = list(run(task.count, ranges))
+            jobs, index, line = [], 0, {}
+            for where, (rows, newlines) in zip(ranges, counts):
+                jobs.append((where, index, line.get(where[0], 1)))
+                index += rows
+                line[where[0]] = line.get(where[0], 1) + newlines
+            parts = run(task.scan, jobs)
         whole = _Part()
-        for part in pool.map(_scan_range, [j for j in jobs if j[-1] > 0]):
+        for part in parts:
             whole.num_units += part.num_units
             whole.starts += part.starts
             whole.hashes += part.hashes
@@ -229,6 +304,9 @@ def _scan_parallel(read, files, formats, passthrough, shard_rows, ranges, worker
             for c, kinds in part.origins.items():
                 for kind, where in kinds.items():
                     whole.origins.setdefault(c, {}).setdefault(kind, where)
+    finally:
+        if pool is not None:
+            pool.shutdown()
     return whole
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from batchgen.io import locks
 from batchgen.io.parquet_schema import arrow_schema
 from batchgen.io.rows import Position
-from batchgen.io.scan import scan
+from batchgen.io.scan import LineSpec, scan
 from batchgen.io.shard_plan import ShardPlan, plan_key, read_plan, write_plan
 from batchgen.job import JobSpec
 from batchgen.pipeline.modes import mode_for
@@ -118,7 +118,7 @@ def ensure_plan(
             settings,
             log,
             workers=workers,
-            splittable=mode.unit_kind() == "rows",
+            lines=LineSpec(job.input.id_column) if mode.unit_kind() == "rows" else None,
         )
         write_plan(out, plan)
         return plan

@@ -130,10 +130,13 @@ def test_workers_over_byte_ranges_make_the_same_plan(tmp_path, monkeypatch):
     )
     read = UnitReader(job, files, ["text", "n"])
     formats = ["jsonl"] * 3
-    one = scan(read, files, formats, ["n"], arrow_schema, 7, "k", {})
+    one = scan(read, files, formats, ["n"], arrow_schema, 7, "k", {})  # the Reader, unit by unit
+    lines = scan_module.LineSpec("id")
+    lean = scan(read, files, formats, ["n"], arrow_schema, 7, "k", {}, lines=lines)
+    assert encode(lean) == encode(one)
     monkeypatch.setattr(scan_module, "RANGE_BYTES", 97)  # ranges of a line or two
     assert len(scan_module.split_ranges(files, 97)) > 10
-    many = scan(read, files, formats, ["n"], arrow_schema, 7, "k", {}, workers=2, splittable=True)
+    many = scan(read, files, formats, ["n"], arrow_schema, 7, "k", {}, workers=2, lines=lines)
     assert encode(many) == encode(one)  # the same bytes, whatever the number of workers
     assert many.num_units == 22 + 6 + 41 and len(many.duplicates) == 2
     assert many.notes == one.notes and many.notes  # n: numbers in a and b, lists in c
