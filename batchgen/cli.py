@@ -96,6 +96,16 @@ _set_option = click.option(
     "before every finished row is committed and the run exits 75.",
 )
 @click.option(
+    "--checkpoint",
+    "checkpoint_s",
+    type=click.FloatRange(min=0),
+    default=300.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Commit the finished rows of unfinished shards this often (0: only when stopped), "
+    "so a crash or SIGKILL loses at most this much work.",
+)
+@click.option(
     "--lease",
     "lease_s",
     type=click.FloatRange(min=1),
@@ -105,7 +115,9 @@ _set_option = click.option(
     help="Lock lease: a shard whose holder (on another host) has not renewed its lock for "
     "this long is taken over.",
 )
-def run(job_file, overrides, overwrite, strict, shard, progress, grace_s, lease_s) -> None:
+def run(
+    job_file, overrides, overwrite, strict, shard, progress, grace_s, checkpoint_s, lease_s
+) -> None:
     """Run JOB_FILE: generate for every input row and commit sharded output.
 
     Exit codes: 0 done (row errors are counted, not fatal), 1 row errors in this task's shards
@@ -138,6 +150,7 @@ def run(job_file, overrides, overwrite, strict, shard, progress, grace_s, lease_
                 log=lambda m: click.echo(m, err=True),
                 stop=stop,
                 grace_s=grace_s,
+                checkpoint_s=checkpoint_s or None,
                 lease_s=lease_s,
                 holder=_slurm_job(),
             ).run()

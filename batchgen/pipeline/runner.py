@@ -54,6 +54,8 @@ class Runner:
         progress: show a tqdm bar on stderr.
         grace_s: after a stop request, how long requests in the engine may still finish before
             every finished row is committed and the run exits.
+        checkpoint_s: every this many seconds, the finished rows of unfinished shards are
+            committed as pieces (None: only on a stop), so a SIGKILL loses at most that much.
         max_in_flight: most requests inside the engine (default 4 x max_num_seqs).
         lease_s: how long a lock of this run stays valid without renewal (renewed every
             quarter of it); other hosts take over a shard whose holder's lease lapsed.
@@ -73,6 +75,7 @@ class Runner:
         stop: StopFlag | None = None,
         progress: bool = False,
         grace_s: float = 5.0,
+        checkpoint_s: float | None = 300.0,
         max_in_flight: int | None = None,
         chunk_rows: int = 1024,
         lease_s: float = locks.DEFAULT_LEASE_S,
@@ -91,6 +94,7 @@ class Runner:
         self.stop = stop or StopFlag()
         self.progress_enabled = progress
         self.grace_s = grace_s
+        self.checkpoint_s = checkpoint_s
         self.max_in_flight = max_in_flight or 4 * job.model.engine_config().max_num_seqs
         self.chunk_rows = chunk_rows
         self.lease_s = lease_s

@@ -4,9 +4,11 @@ Shards are opened in order while fewer than max_in_flight requests wait: the sha
 taken (a shard another live process holds is skipped and looked at again later), its rows
 are read straight from the shard plan's position, the rows that committed pieces already hold
 are dropped, and the rest planned into requests. A shard whose last request finishes is
-committed whole (its pieces merged in). On a stop signal nothing more is admitted; requests
-in the engine may finish for up to the grace period, then every finished row of an
-unfinished shard is committed as a piece and the locks are released.
+committed whole (its pieces merged in). Every `checkpoint_s` the finished rows of unfinished
+shards are committed as pieces, so even a SIGKILL loses at most that much work. On a stop
+signal nothing more is admitted; requests in the engine may finish for up to the grace
+period, then every finished row of an unfinished shard is committed as a piece and the locks
+are released.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class ShardLoop:
         self.queue: deque[tuple[int, Request]] = deque()
         self.in_flight: dict[str, tuple[int, Request]] = {}
         self.finished_at_stop: int | None = None  # rows finished when the stop came
+        self.next_checkpoint = time.monotonic() + (runner.checkpoint_s or float("inf"))
 
     # ------------------------------------------------------------------------------ the loop
 
@@ -68,6 +71,8 @@ class ShardLoop:
                         continue
                     break
                 self._step()
+                if deadline is None and time.monotonic() >= self.next_checkpoint:
+                    self._checkpoint()
                 if deadline is not None and time.monotonic() > deadline:
                     r.log(f"grace period over: {len(self.in_flight)} request(s) left unfinished")
                     break
@@ -156,6 +161,18 @@ class ShardLoop:
                     r.log(f"shard {k}: committed {entry.get('rows')} row(s){kept}")
         finally:
             r.keeper.release(shard.lock)
+
+    def _checkpoint(self) -> None:
+        """Commit the rows finished so far in every open shard as a piece."""
+        r = self.r
+        for k, shard in self.open.items():
+            if shard.results:
+                entry = r.committer.commit_piece(k, shard.results)
+                if entry is not None:
+                    r.note_piece(k, entry, shard.results)
+                    shard.taken.append(Piece(k, entry["piece"], entry))
+                    shard.results = []
+        self.next_checkpoint = time.monotonic() + r.checkpoint_s
 
     def _wait_for_blocked(self) -> None:
         """Sleep a little, then retry the shards other processes held: committed ones are

@@ -160,3 +160,61 @@ def test_part_file_published_without_its_entry_is_adopted(tmp_path):
     adopted = json.load(open("out/_manifest/part-00001.json"))
     for key in ("file", "size", "sha256", "rows", "ok", "num_generated_tokens", "fingerprint"):
         assert adopted[key] == entry[key], key
+
+
+class SlowEngine(FakeEngine):
+    """A FakeEngine whose steps take `delay` seconds of a fake clock (no real sleeping)."""
+
+    def __init__(self, clock: list[float], delay: float, **kw):
+        super().__init__(**kw)
+        self.clock, self.delay = clock, delay
+
+    def step(self):
+        self.clock[0] += self.delay
+        return super().step()
+
+
+def test_checkpoints_commit_finished_rows_while_a_shard_runs(tmp_path, monkeypatch):
+    # A SIGKILL gives no grace: checkpoints are what bound its loss. Every 10 s of (fake)
+    # time the finished rows of the open shard become a piece; the shard's part file then
+    # merges them, and nothing is generated twice.
+    from batchgen.pipeline import shard_loop
+
+    clock = [0.0]
+    monkeypatch.setattr(shard_loop.time, "monotonic", lambda: clock[0])
+    data = rows(200)
+    write_jsonl(tmp_path / "in.jsonl", data)
+    job = load(make_job(tmp_path, "in.jsonl", output={"shard_rows": 200}))
+    engine = SlowEngine(clock, 1.0, max_model_len=256, max_num_seqs=4)
+    logs: list[str] = []
+    result = Runner(
+        job, engine_factory=lambda j: engine, tokenizer_factory=lambda j: FakeTokenizer(),
+        checkpoint_s=10.0, max_in_flight=8, log=logs.append,
+    ).run()  # fmt: skip
+    assert result.complete and result.stats.pieces_committed >= 5
+    assert sorted(int(rid.split("/")[1]) for rid in engine.added) == list(range(200))
+    assert any(f"{result.stats.pieces_committed} piece(s) merged" in m for m in logs)
+    assert read_output("out")["id"].to_list() == [r["id"] for r in data]
+    assert not os.path.exists("out/_partial")
+
+
+def test_a_run_that_failed_at_model_load_does_not_block_the_fixed_job(tmp_path):
+    # The first run claims the directory, then its model fails to load: nothing committed.
+    # After fixing the model (a different fingerprint), the rerun proceeds.
+    from batchgen.job import JobError
+
+    write_jsonl(tmp_path / "in.jsonl", rows(30))
+    job_file = make_job(tmp_path, "in.jsonl")
+    job = load(job_file)
+
+    def broken(j):
+        raise JobError("model: model.safetensors is truncated")
+
+    with pytest.raises(JobError, match="truncated"):
+        Runner(job, engine_factory=broken, tokenizer_factory=lambda j: FakeTokenizer()).run()
+    assert os.path.exists("out/_job.json") and not os.path.exists("out/_locks")
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "fake", "fixed": true}')
+    logs: list[str] = []
+    result = run(load(job_file), log=logs.append)
+    assert result.complete
+    assert any("committed nothing" in m and "changed: model" in m for m in logs)
