@@ -1,11 +1,11 @@
-"""Exact duplicate-id detection over a stream of ids in at most 16 bytes a row.
+"""Exact duplicate-id detection over a stream of ids in about 8.5 bytes a row.
 
-Each unit's id is kept only as a 64-bit hash, in unit order (8 bytes a unit). At the end a
-sorted copy (8 more bytes a unit, the peak) shows which hash values occur more than once; the
-copy is dropped and the units holding those values are the candidates. Their ids are read
-again (`fetch`) and compared exactly: the first occurrence of an id wins, each later one is a
-duplicate. A hash collision between two different ids only makes both candidates, never a
-false duplicate.
+Each unit's id is kept only as a 64-bit hash, in unit order (8 bytes a unit). At the end the
+hash values held by more than one unit are found one bucket at a time (the hashes whose top 4
+bits are b, sorted: 1/16 of them, half a byte a unit, at the peak); the units holding those
+values are the candidates. Their ids are read again (`fetch`) and compared exactly: the first
+occurrence of an id wins, each later one is a duplicate. A hash collision between two
+different ids only makes both candidates, never a false duplicate.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import polars as pl
 
 NO_ID = np.uint64(0)  # the hash slot of a unit without a usable id (an error row)
-_SCAN_BLOCK = 1 << 22  # sorted hashes compared a block at a time (4 Mi values, 4 MiB of bools)
+BUCKET_BITS = 4  # repeated hashes are found in 2**4 buckets by their top bits
 
 
 def _hashes(series: pl.Series) -> np.ndarray:
@@ -49,8 +49,8 @@ class DuplicateFinder:
         self.num_units += len(hashes)
 
     def blocks(self) -> list[np.ndarray]:
-        """The hashes so far, in unit order, as one array (to hand to another finder)."""
-        return [np.concatenate(self._blocks)] if self._blocks else []
+        """The hashes so far, in unit order (to hand to another finder; no copy)."""
+        return list(self._blocks)
 
     @property
     def nbytes(self) -> int:
@@ -58,18 +58,17 @@ class DuplicateFinder:
 
     def repeated_hashes(self) -> np.ndarray:
         """Hash values held by more than one unit (sorted, without NO_ID)."""
-        if not self._blocks:
-            return np.empty(0, dtype=np.uint64)
-        ordered = np.concatenate(self._blocks)
-        ordered.sort()
         found = []
-        for a in range(0, len(ordered) - 1, _SCAN_BLOCK):
-            part = ordered[a : a + _SCAN_BLOCK + 1]
-            same = part[1:] == part[:-1]
+        shift = np.uint64(64 - BUCKET_BITS)
+        for bucket in range(1 << BUCKET_BITS):
+            parts = [b[(b >> shift) == np.uint64(bucket)] for b in self._blocks]
+            values = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
+            values.sort()
+            same = values[1:] == values[:-1]
             if same.any():
-                found.append(np.unique(part[1:][same]))
-        del ordered
-        values = np.unique(np.concatenate(found)) if found else np.empty(0, dtype=np.uint64)
+                found.append(np.unique(values[1:][same]))
+            del parts, values, same
+        values = np.concatenate(found) if found else np.empty(0, dtype=np.uint64)
         return values[values != NO_ID]
 
     def candidates(self, repeated: np.ndarray) -> Iterator[int]:
