@@ -230,10 +230,12 @@ class Runner:
     def read_shard(self, k: int) -> list[InputRow]:
         """Shard k's units, read from its position in the shard plan."""
         first, stop = self.plan.shard_units(k)
+        # One chunk: the shard is held whole anyway, and a Parquet chunk decodes every row
+        # group it touches (chunks smaller than a row group would decode it again and again).
         reader = self.mode.reader(
             self.files,
             self.columns,
-            self.chunk_rows,
+            max(self.chunk_rows, stop - first),
             start=self.plan.starts[k],
             first_index=first,
             limit=stop - first,

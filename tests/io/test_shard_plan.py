@@ -4,6 +4,7 @@ the whole input and slicing it (JSONL, Parquet row groups, several files, groups
 from __future__ import annotations
 
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -140,3 +141,25 @@ def test_workers_over_byte_ranges_make_the_same_plan(tmp_path, monkeypatch):
     assert encode(many) == encode(one)  # the same bytes, whatever the number of workers
     assert many.num_units == 22 + 6 + 41 and len(many.duplicates) == 2
     assert many.notes == one.notes and many.notes  # n: numbers in a and b, lists in c
+
+
+def bytes_read() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar")).split()[1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="reads /proc/self/io")
+def test_a_parquet_shard_reads_only_its_row_groups(tmp_path):
+    path = tmp_path / "big.parquet"
+    n = 200_000
+    table = pa.table({"id": [f"r{i}" for i in range(n)], "text": [f"t{i} " * 10 for i in range(n)]})
+    pq.write_table(table, path, row_group_size=10_000, compression="none")  # 20 row groups
+    plan = make_plan([str(path)], lambda f, **kw: Reader(f, SPEC, ["text"], 500, **kw), 2_000)
+    first, stop = plan.shard_units(plan.num_shards - 1)
+    before = bytes_read()
+    # As a run reads a shard: in one chunk (a chunk re-reads the row groups it lies in).
+    reader = Reader([str(path)], SPEC, ["text"], stop - first, start=plan.starts[-1],
+                    first_index=first, limit=stop - first)  # fmt: skip
+    got = [u.id for c in reader for u in c]
+    assert got == [f"r{i}" for i in range(first, stop)]
+    assert bytes_read() - before < os.path.getsize(path) / 10  # its row group, not all 20
