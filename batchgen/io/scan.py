@@ -49,6 +49,7 @@ def scan(
     log: Callable[[str], None] = lambda m: None,
     workers: int = 1,
     lines: LineSpec | None = None,
+    stopped: Callable[[], bool] = lambda: False,
 ) -> ShardPlan:
     """Scan the input once and return its plan.
 
@@ -61,6 +62,7 @@ def scan(
         key / settings: what the plan depends on (see shard_plan.plan_key).
         workers: processes to scan with (with `lines` only).
         lines: given when a unit is one line of JSONL input: how a line is judged.
+        stopped: polled as the scan goes; once true the scan raises ScanStopped.
     """
     started = time.monotonic()
     types = ColumnTypes(passthrough)
@@ -73,9 +75,10 @@ def scan(
     if lines is not None and "parquet" not in formats:
         ranges = split_ranges(files, RANGE_BYTES if workers > 1 else 1 << 62)
         task = _LineScan(files, formats, lines.id_column, passthrough, shard_rows)
-        part = _scan_parallel(task, ranges, workers)
+        part = _scan_parallel(task, ranges, workers, stopped)
     else:
-        part = _scan_units(read(None, 0, None), files, formats, passthrough, shard_rows)
+        chunks = read(None, 0, None)
+        part = _scan_units(chunks, files, formats, passthrough, shard_rows, stopped)
     finder = DuplicateFinder()
     for block in part.hashes:
         finder.add_hashes(block)
@@ -129,17 +132,24 @@ class _Part:
     origins: dict = field(default_factory=dict)
 
 
+class ScanStopped(Exception):
+    """A stop signal came while the input was being scanned."""
+
+
 def _scan_units(
     chunks: Iterable[list[InputRow]],
     files: list[str],
     formats: list[str],
     passthrough: list[str],
     shard_rows: int,
+    stopped: Callable[[], bool],
 ) -> _Part:
     types = ColumnTypes(passthrough)
     finder = DuplicateFinder()
     part = _Part()
     for chunk in chunks:
+        if stopped():
+            raise ScanStopped
         ids: list[str | None] = []
         values: dict[str, list] = {c: [] for c in passthrough}
         for unit in chunk:
@@ -219,8 +229,9 @@ class _LineScan:
         i, start, stop = where
         return _count_range(self.files[i], start, stop)
 
-    def scan(self, job: tuple[tuple[int, int, int], int, int]) -> _Part:
-        """The units of byte range `where`, the first being unit `index` on line `line`."""
+    def scan(self, job: tuple[tuple[int, int, int], int, int], stopped=None) -> _Part:
+        """The units of byte range `where`, the first being unit `index` on line `line`
+        (`stopped`: polled, in this process only)."""
         (i, start, stop), index, line = job
         path, fmt = self.files[i], self.formats[i]
         types = ColumnTypes(self.passthrough)
@@ -257,6 +268,8 @@ class _LineScan:
                     index += 1
                     if len(ids) >= 4096:
                         flush()
+                        if stopped is not None and stopped():
+                            raise ScanStopped
                 line += 1
         flush()
         part.num_units = finder.num_units
@@ -270,7 +283,9 @@ def _call(args):
     return method(arg)
 
 
-def _scan_parallel(task: _LineScan, ranges: list[tuple[int, int, int]], workers: int) -> _Part:
+def _scan_parallel(
+    task: _LineScan, ranges: list[tuple[int, int, int]], workers: int, stopped: Callable
+) -> _Part:
     """Count each range's rows and lines, then scan the ranges; in `workers` processes when
     there are several ranges."""
     if workers > 1 and len(ranges) > 1:
@@ -284,7 +299,7 @@ def _scan_parallel(task: _LineScan, ranges: list[tuple[int, int, int]], workers:
         if pool is None:  # one range a file, in order: each starts where the last ended
             parts, index = [], 0
             for where in ranges:
-                parts.append(task.scan((where, index, 1)))
+                parts.append(task.scan((where, index, 1), stopped))
                 index += parts[-1].num_units
         else:
             counts = list(run(task.count, ranges))
@@ -296,6 +311,8 @@ def _scan_parallel(task: _LineScan, ranges: list[tuple[int, int, int]], workers:
             parts = run(task.scan, jobs)
         whole = _Part()
         for part in parts:
+            if stopped():
+                raise ScanStopped
             whole.num_units += part.num_units
             whole.starts += part.starts
             whole.hashes += part.hashes
@@ -306,7 +323,7 @@ def _scan_parallel(task: _LineScan, ranges: list[tuple[int, int, int]], workers:
                     whole.origins.setdefault(c, {}).setdefault(kind, where)
     finally:
         if pool is not None:
-            pool.shutdown()
+            pool.shutdown(cancel_futures=True)
     return whole
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from batchgen.io import locks
 from batchgen.io.parquet_schema import arrow_schema
 from batchgen.io.rows import Position
-from batchgen.io.scan import LineSpec, scan
+from batchgen.io.scan import LineSpec, ScanStopped, scan
 from batchgen.io.shard_plan import ShardPlan, plan_key, read_plan, write_plan
 from batchgen.job import JobSpec
 from batchgen.pipeline.modes import mode_for
@@ -107,19 +107,23 @@ def ensure_plan(
         if plan is not None:
             return plan
 
-        plan = scan(
-            UnitReader(job, files, columns),
-            files,
-            formats,
-            list(job.input.columns),
-            arrow_schema,
-            job.output.shard_rows,
-            key,
-            settings,
-            log,
-            workers=workers,
-            lines=LineSpec(job.input.id_column) if mode.unit_kind() == "rows" else None,
-        )
+        try:
+            plan = scan(
+                UnitReader(job, files, columns),
+                files,
+                formats,
+                list(job.input.columns),
+                arrow_schema,
+                job.output.shard_rows,
+                key,
+                settings,
+                log,
+                workers=workers,
+                lines=LineSpec(job.input.id_column) if mode.unit_kind() == "rows" else None,
+                stopped=stop.is_set,
+            )
+        except ScanStopped:
+            raise Stopped from None
         write_plan(out, plan)
         return plan
     finally:

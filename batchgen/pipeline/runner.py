@@ -326,6 +326,10 @@ class Runner:
         stats = write_stats(self.out_dir, self.stats, self._job_entries, str(self.shard))
         task_totals = job_totals(self.own_entries)
         lines = summary_lines(self.stats, task_totals, stats["job"], num_shards, self.shard)
+        if self.plan.mixed_columns:
+            lines.append(
+                f"written as text (their values mix kinds): {', '.join(self.plan.mixed_columns)}"
+            )
         if not finished:
             lines.append(
                 f"interrupted by {self.stop.signal_name}: committed shards and the finished rows "

@@ -32,7 +32,6 @@ class OpenShard:
     taken: list[Piece]  # committed pieces this shard builds on
     results: list = field(default_factory=list)  # rows finished in this run
     pending: int = 0  # requests not finished yet
-    admitted: int = 0
 
 
 class ShardLoop:
@@ -100,7 +99,6 @@ class ShardLoop:
             k, req = self.queue.popleft()
             rid = f"{k}/{req.index}"
             self.in_flight[rid] = (k, req)
-            self.open[k].admitted += 1
             self.r.mode.submit(self.r.engine, rid, req)
 
     def _step(self) -> None:

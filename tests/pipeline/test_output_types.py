@@ -42,6 +42,7 @@ def test_jsonl_kinds_pass_through_typed(tmp_path, monkeypatch):
     ).run()
     assert result.complete
     assert any("'anything' has several types" in m and "written as text" in m for m in logs)
+    assert "written as text (their values mix kinds): anything" in result.lines
     parts = sorted((tmp_path / "out").glob("part-*.parquet"))
     assert len(parts) == 14
     schemas = {pq.read_schema(p).remove_metadata() for p in parts}

@@ -20,6 +20,7 @@ from batchgen.job import JobError
 from batchgen.pipeline import job_plan
 from batchgen.pipeline.runner import Runner
 from batchgen.pipeline.sharding import ShardSelector
+from batchgen.pipeline.signals import StopFlag
 
 
 @pytest.fixture(autouse=True)
@@ -130,3 +131,23 @@ def test_changed_input_makes_a_new_plan(tmp_path):
     after = json.loads((tmp_path / "out/_plan.json").read_text())
     assert after["num_units"] == 130 and after["key"] != before["key"]
     assert read_output("out")["id"].to_list() == [r["id"] for r in rows(130)]
+
+
+def test_a_stop_while_planning_exits_75_at_once(tmp_path, monkeypatch):
+    # A preemption during a long scan must not wait for the scan's end.
+    write_jsonl(tmp_path / "in.jsonl", rows(20_000))
+    job = load(make_job(tmp_path, "in.jsonl", output={"shard_rows": 1000}))
+    stop = StopFlag()
+    read_line = readers.parse_line
+    seen = []
+
+    def parse_then_stop(*a):
+        seen.append(1)
+        if len(seen) == 5000:
+            stop.set("SIGTERM")
+        return read_line(*a)
+
+    monkeypatch.setattr(scan, "parse_line", parse_then_stop)
+    result = runner(job, stop=stop, plan_workers=1).run()
+    assert result.exit_code == 75 and len(seen) < 10_000
+    assert not os.path.exists("out/_plan.json") and not os.path.exists("out/_locks")
