@@ -114,3 +114,29 @@ def test_a_run_started_while_another_writes_never_breaks_it(tmp_path):
     assert res_a == res_c == ["RESULT 0 exit=0"], (log_a, log_c)
     assert not committed_by(log_a) & committed_by(log_c)
     assert read_output(tmp_path / "out")["id"].to_list() == [r["id"] for r in data]
+
+
+def test_status_shows_shards_in_progress_and_locks_of_dead_runs(tmp_path):
+    from click.testing import CliRunner
+
+    from batchgen.cli import main
+
+    write_jsonl(tmp_path / "in.jsonl", rows(400))
+    job = make_job(tmp_path, "in.jsonl", output={"shard_rows": 20})
+    proc = start(tmp_path, "a", 0.05, job)
+    out = tmp_path / "out"
+    deadline = time.monotonic() + 60
+    while not (out / "_manifest").is_dir():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.01)
+    shown = CliRunner().invoke(main, ["status", str(out)]).output
+    assert "in progress" in shown
+    held = re.search(r"  part-(\d{5}): (\S+) pid (\d+), task 0/1, since", shown)
+    assert held and int(held.group(3)) == proc.pid, shown
+    assert f"runs: {held.group(2)} pid {proc.pid}, task 0/1" in shown
+    proc.kill()  # its locks stay behind, their holder gone
+    proc.wait()
+    shown = CliRunner().invoke(main, ["status", str(out)]).output
+    assert f"stale locks (holder gone; the next run takes them over): part-{held.group(1)}" in (
+        shown
+    )
