@@ -218,3 +218,43 @@ def test_a_run_that_failed_at_model_load_does_not_block_the_fixed_job(tmp_path):
     result = run(load(job_file), log=logs.append)
     assert result.complete
     assert any("committed nothing" in m and "changed: model" in m for m in logs)
+
+
+def test_score_mode_stop_and_resume_keeps_every_candidate_once(tmp_path):
+    # Score mode writes one row per candidate: a piece holds whole units (all candidates).
+    data = [
+        {
+            "id": f"q{i:03d}",
+            "topic": "t",
+            "question": f"question {i}?",
+            "choices": ["yes", "no", "a cat"][: 2 + i % 2],
+        }
+        for i in range(120)
+    ]
+    write_jsonl(tmp_path / "in.jsonl", data)
+    job = load(
+        make_job(
+            tmp_path, "in.jsonl", mode="score", sampling=None,
+            prompt={"template": "Q: {question}\nA:"},
+            score={"candidates_column": "choices", "separator": " "},
+            output={"shard_rows": 60},
+        )
+    )  # fmt: skip
+    want = reference(tmp_path, data, mode="score", sampling=None,
+                     prompt={"template": "Q: {question}\nA:"},
+                     score={"candidates_column": "choices", "separator": " "},
+                     output={"shard_rows": 60})  # fmt: skip
+    stop = StopFlag()
+    engine = StoppingEngine(stop, after=6, max_model_len=256, max_num_seqs=4)
+    first = run(job, engine, stop=stop, max_in_flight=8)
+    assert first.exit_code == 75 and first.stats.pieces_committed >= 1
+    kept = piece_units()
+    again_engine = FakeEngine(max_model_len=256, max_num_seqs=8)
+    assert run(job, again_engine).complete
+    assert {int(rid.split("/")[1]) for rid in again_engine.added} == set(range(120)) - kept
+    got = read_output("out")
+    assert got.height == sum(len(r["choices"]) for r in data)
+    assert got.drop("num_cached_tokens").equals(want.drop("num_cached_tokens"))
+    entries = [json.load(open(f"out/_manifest/part-{k:05d}.json")) for k in range(2)]
+    assert [e["units"] for e in entries] == [60, 60]
+    assert sum(e["rows"] for e in entries) == got.height
