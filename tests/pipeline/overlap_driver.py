@@ -3,6 +3,7 @@
 Usage: python overlap_driver.py NAME STEP_DELAY JOB_FILE [JOB_FILE ...]
 With SYNC_DIR and PEERS (names, comma-separated) set, run i starts only once every peer is
 ready for its run i (files SYNC_DIR/NAME-i), so runs of several drivers start together.
+LEASE_S sets the runs' lock lease.
 Prints "RESULT i exit=CODE" or "RESULT i refused: MESSAGE" per job file; the run's own log
 goes to stderr.
 """
@@ -42,6 +43,7 @@ if __name__ == "__main__":
             engine_factory=lambda j: FakeEngine(step_delay=delay, max_num_seqs=8),
             tokenizer_factory=lambda j: FakeTokenizer(),
             log=lambda m: print(f"[{name}] {m}", file=sys.stderr, flush=True),
+            lease_s=float(os.environ.get("LEASE_S", "120")),
         )
         try:
             code = runner.run().exit_code

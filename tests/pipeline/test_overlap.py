@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -140,3 +141,31 @@ def test_status_shows_shards_in_progress_and_locks_of_dead_runs(tmp_path):
     assert f"stale locks (holder gone; the next run takes them over): part-{held.group(1)}" in (
         shown
     )
+
+
+def test_a_paused_holder_whose_lease_lapsed_cannot_commit_a_second_copy(tmp_path):
+    # A is frozen mid-run past its lease: B takes its shards over and finishes the job. When A
+    # wakes up, its commit of the shard it was working on finds B's file: A keeps it, and no
+    # shard is written twice.
+    data = rows(300)
+    write_jsonl(tmp_path / "in.jsonl", data)
+    job = make_job(tmp_path, "in.jsonl", output={"shard_rows": 20})
+    a = start(tmp_path, "a", 0.05, job, LEASE_S="2")
+    manifest = tmp_path / "out/_manifest"
+    deadline = time.monotonic() + 60
+    while not (manifest.is_dir() and len(os.listdir(manifest)) >= 2):
+        assert time.monotonic() < deadline and a.poll() is None
+        time.sleep(0.01)
+    a.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(3)  # past A's 2 s lease: its locks are stale though its process lives
+        res_b, log_b = finish(start(tmp_path, "b", 0.0, job, LEASE_S="2"))
+        assert res_b == ["RESULT 0 exit=0"], log_b
+    finally:
+        a.send_signal(signal.SIGCONT)
+    res_a, log_a = finish(a)
+    assert res_a == ["RESULT 0 exit=0"], log_a
+    assert "committed by another process meanwhile; keeping its file" in log_a
+    done_a, done_b = committed_by(log_a), committed_by(log_b)
+    assert not done_a & done_b and done_a | done_b == set(range(15))
+    assert read_output(tmp_path / "out")["id"].to_list() == [r["id"] for r in data]
