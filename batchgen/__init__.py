@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import os
 
+from batchgen.cpu_threads import quiet_openmp_waits
 from batchgen.outputs import CompletionOutput, RequestOutput, ScoreOutput
 from batchgen.sampling_params import SamplingParams
+
+# Before torch can be imported through batchgen (LLM, the CLI; none of the imports above loads
+# it): OpenMP reads its wait policy once, when torch loads it, and its default spin-waiting
+# collapses CPU runs on a shared machine (cpu_threads.py).
+quiet_openmp_waits()
 
 # Run from a plain checkout (PYTHONPATH=repo), `batchgen.kernels` must resolve to the repo's
 # top-level kernels/ directory, which an install maps into this namespace instead. Never expose

@@ -1,22 +1,46 @@
-"""The `batchgen` command line: run, validate, status, make-model (and bench when present)."""
+"""The `batchgen` command line: run, run-batch, validate, plan, status, make-model (and bench)."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import click
 
 from batchgen.job import JobError, load_job
-from batchgen.pipeline.signals import EX_TEMPFAIL, GracefulStop, StopFlag
+from batchgen.pipeline.exit_codes import (
+    EX_TEMPFAIL,
+    EXIT_ABORTED,
+    EXIT_BAD_JOB,
+    EXIT_OK,
+    EXIT_ROW_ERRORS,
+    describe_failure,
+)
+from batchgen.pipeline.signals import GracefulStop, StopFlag
 
-EXIT_OK, EXIT_ROW_ERRORS, EXIT_BAD_JOB = 0, 1, 2
 
-
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = EXIT_BAD_JOB) -> None:
     click.echo(f"error: {message}", err=True)
-    sys.exit(EXIT_BAD_JOB)
+    sys.exit(code)
+
+
+@contextmanager
+def _exit_codes() -> Iterator[None]:
+    """Every way a command can end becomes its exit code (pipeline/exit_codes.py) and one
+    clear line on stderr: a bad job 2, OS errors by errno (2 or 74), anything unforeseen 70
+    with its traceback in a crash report, a second Ctrl-C 130. Never a bare traceback."""
+    try:
+        yield
+    except JobError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted twice: stopped at once; committed shards are kept", EXIT_ABORTED)
+    except Exception as e:  # the last resort: the exception is what the message names
+        code, message = describe_failure(e)
+        _fail(message, code)
 
 
 def _default_shard() -> str | None:
@@ -51,7 +75,20 @@ def _slurm_job() -> str:
     return f"slurm {env['SLURM_JOB_ID']}" if env.get("SLURM_JOB_ID") else ""
 
 
+def _version() -> str:
+    """The installed distribution's version (a plain checkout on PYTHONPATH: the package's)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("batchgen")
+    except PackageNotFoundError:
+        from batchgen import __version__
+
+        return __version__
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(version=_version(), prog_name="batchgen", message="%(prog)s %(version)s")
 def main() -> None:
     """batchgen: offline batch LLM generation; jobs in, sharded resumable Parquet out."""
 
@@ -65,18 +102,15 @@ _set_option = click.option(
 )
 
 
-@main.command()
-@click.argument("job_file", type=click.Path(dir_okay=False))
-@_set_option
-@click.option(
-    "--overwrite", is_flag=True, help="Discard outputs of a different job in output.path."
+_overwrite_option = click.option(
+    "--overwrite", is_flag=True, help="Discard outputs of a different job in the output path."
 )
-@click.option(
+_strict_option = click.option(
     "--strict",
     is_flag=True,
     help="Exit 1 if any row of this task's shards ended as an error record.",
 )
-@click.option(
+_shard_option = click.option(
     "--shard",
     "shard",
     metavar="I/N",
@@ -84,8 +118,10 @@ _set_option = click.option(
     help="Process only shards k with k % N == I (default: from SLURM_ARRAY_TASK_ID/"
     "SLURM_ARRAY_TASK_COUNT, else all).",
 )
-@click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a tty).")
-@click.option(
+_progress_option = click.option(
+    "--progress/--no-progress", default=None, help="Progress bar (default: on a tty)."
+)
+_grace_option = click.option(
     "--grace",
     "grace_s",
     type=click.FloatRange(min=0),
@@ -95,7 +131,7 @@ _set_option = click.option(
     help="After SIGTERM/SIGUSR1/Ctrl-C: how long requests in the engine may still finish "
     "before every finished row is committed and the run exits 75.",
 )
-@click.option(
+_checkpoint_option = click.option(
     "--checkpoint",
     "checkpoint_s",
     type=click.FloatRange(min=0),
@@ -105,7 +141,7 @@ _set_option = click.option(
     help="Commit the finished rows of unfinished shards this often (0: only when stopped), "
     "so a crash or SIGKILL loses at most this much work.",
 )
-@click.option(
+_lease_option = click.option(
     "--lease",
     "lease_s",
     type=click.FloatRange(min=1),
@@ -115,58 +151,81 @@ _set_option = click.option(
     help="Lock lease: a shard whose holder (on another host) has not renewed its lock for "
     "this long is taken over.",
 )
+
+
+def _stop_options(command):
+    """--grace, --checkpoint and --lease: how a run stops, saves and shares its shards."""
+    return _grace_option(_checkpoint_option(_lease_option(command)))
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+@_overwrite_option
+@_strict_option
+@_shard_option
+@_progress_option
+@_stop_options
 def run(
     job_file, overrides, overwrite, strict, shard, progress, grace_s, checkpoint_s, lease_s
 ) -> None:
     """Run JOB_FILE: generate for every input row and commit sharded output.
 
     Exit codes: 0 done (row errors are counted, not fatal), 1 row errors in this task's shards
-    with --strict, 2 bad job or usage, 75 interrupted by SIGTERM/SIGUSR1/SIGINT (run again to
-    resume: the finished rows are kept).
+    with --strict, 2 bad job, model, input, usage or a permission error on a path, 70 internal
+    error (traceback in a crash report), 74 I/O error such as a full disk, 75 interrupted by
+    SIGTERM/SIGUSR1/SIGINT (run again to resume: the finished rows are kept), 130 a second
+    SIGINT.
     """
+    options = dict(grace_s=grace_s, checkpoint_s=checkpoint_s or None, lease_s=lease_s)
+    _run_job(lambda: load_job(job_file, overrides), shard, overwrite, strict, progress, **options)
+
+
+def _run_job(make_job, shard, overwrite, strict, progress, finish=None, **options) -> None:
+    """Build the job with `make_job()`, run this task's shards, report and exit; `finish(job,
+    result)` runs once the whole job is complete (before the report). `options`: the Runner's
+    grace_s, checkpoint_s and lease_s."""
     # Stop signals are caught from here, before torch is imported (about a second), to the
     # command's end: a Slurm preemption while the run starts up exits 75 (requeue), not -15,
     # and one after the run has finished changes nothing.
     stop = StopFlag()
-    with GracefulStop(stop):
+    with GracefulStop(stop), _exit_codes():
         from batchgen.pipeline.runner import Runner
         from batchgen.pipeline.sharding import ShardSelector
 
-        try:
-            job = load_job(job_file, overrides)
-            selector = ShardSelector.parse(shard or _default_shard() or "0/1")
-            show = sys.stderr.isatty() if progress is None else progress
-            if stop.is_set():  # stopped while starting up: nothing was written yet
-                click.echo(
-                    f"interrupted by {stop.signal_name} before the run started; run the same "
-                    f"command again (exit {EX_TEMPFAIL})"
-                )
-                sys.exit(EX_TEMPFAIL)
-            result = Runner(
-                job,
-                shard=selector,
-                overwrite=overwrite,
-                progress=show,
-                log=lambda m: click.echo(m, err=True),
-                stop=stop,
-                grace_s=grace_s,
-                checkpoint_s=checkpoint_s or None,
-                lease_s=lease_s,
-                holder=_slurm_job(),
-            ).run()
-        except JobError as e:
-            _fail(str(e))
-        _report(result, job, selector, strict)
+        job = make_job()
+        selector = ShardSelector.parse(shard or _default_shard() or "0/1")
+        show = sys.stderr.isatty() if progress is None else progress
+        if stop.is_set():  # stopped while starting up: nothing was written yet
+            click.echo(
+                f"interrupted by {stop.signal_name} before the run started; run the same "
+                f"command again (exit {EX_TEMPFAIL})"
+            )
+            sys.exit(EX_TEMPFAIL)
+        result = Runner(
+            job,
+            shard=selector,
+            overwrite=overwrite,
+            progress=show,
+            log=lambda m: click.echo(m, err=True),
+            stop=stop,
+            holder=_slurm_job(),
+            **options,
+        ).run()
+        extra = finish(job, result) if finish is not None and result.complete else []
+        _report(result, job, selector, strict, extra)
 
 
-def _report(result, job, selector, strict: bool) -> None:
-    """Print a finished or stopped run's summary and exit with its code."""
+def _report(result, job, selector, strict: bool, extra: list[str] = ()) -> None:
+    """Print a finished or stopped run's summary (then `extra` lines) and exit with its code."""
     for line in result.lines:
         click.echo(line)
     if result.exit_code == EX_TEMPFAIL:
         sys.exit(EX_TEMPFAIL)
     if result.complete:
         click.echo(f"done: {job.output.path}/_SUCCESS written")
+    for line in extra:
+        click.echo(line)
     # The task's own rows: another task's errors are that task's to report (and exit 1 on).
     errors = result.task_totals["errors"]
     if errors:
@@ -177,6 +236,78 @@ def _report(result, job, selector, strict: bool) -> None:
     sys.exit(EXIT_ROW_ERRORS if strict and errors else EXIT_OK)
 
 
+@main.command("run-batch")
+@click.option("-i", "--input-file", required=True, help="OpenAI batch file (or Parquet/JSONL).")
+@click.option("-o", "--output-file", required=True, help="The one file to write when done.")
+@click.option("--model", required=True, help="Model directory or hub repo id (ORG/NAME).")
+@click.option("--revision", default=None, help="Branch, tag or commit of a hub repo id.")
+@click.option(
+    "--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default=None
+)
+@click.option("--max-model-len", type=int, default=None, help="Longest prompt + output.")
+@click.option(
+    "--prompt-template",
+    default=None,
+    help="Prompt from a Parquet/JSONL row's columns, e.g. 'Summarize: {text}'.",
+)
+@click.option("--prompt-column", default=None, help="Use this column as the prompt as it is.")
+@click.option("--chat", is_flag=True, help="Send the prompt as a user message (chat template).")
+@_set_option
+@_overwrite_option
+@_strict_option
+@_shard_option
+@_progress_option
+@_stop_options
+def run_batch(
+    input_file,
+    output_file,
+    model,
+    revision,
+    dtype,
+    max_model_len,
+    prompt_template,
+    prompt_column,
+    chat,
+    overrides,
+    overwrite,
+    strict,
+    shard,
+    progress,
+    grace_s,
+    checkpoint_s,
+    lease_s,
+) -> None:
+    """Run an OpenAI batch file (or Parquet/JSONL with --prompt-template) into OUTPUT_FILE.
+
+    Resumable: state lives in OUTPUT_FILE.parts/ (a sharded output directory; run the same
+    command again to resume). When every shard is done, OUTPUT_FILE is written in input order
+    (OpenAI batch output lines, or Parquet for *.parquet), request errors also into
+    OUTPUT_FILE's .errors.jsonl. Exit codes as for `batchgen run`.
+    """
+    from batchgen.pipeline.run_batch import BatchArgs, assemble, build_job
+
+    args = BatchArgs(
+        input_file,
+        output_file,
+        model,
+        revision,
+        dtype,
+        max_model_len,
+        prompt_template,
+        prompt_column,
+        chat,
+        tuple(overrides),
+    )
+
+    def finish(job, result) -> list[str]:
+        errors, errors_file = assemble(job, output_file, result.num_shards)
+        also = f"; {errors} request error(s) also in {errors_file}" if errors_file else ""
+        return [f"wrote {output_file}{also}"]
+
+    options = dict(grace_s=grace_s, checkpoint_s=checkpoint_s or None, lease_s=lease_s)
+    _run_job(lambda: build_job(args), shard, overwrite, strict, progress, finish, **options)
+
+
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @_set_option
@@ -184,10 +315,8 @@ def validate(job_file, overrides) -> None:
     """Check JOB_FILE and every input row without a GPU: counts, token lengths, failing rows."""
     from batchgen.pipeline.validate import validate as run_validate
 
-    try:
+    with _exit_codes():
         report = run_validate(load_job(job_file, overrides))
-    except JobError as e:
-        _fail(str(e))
     click.echo(f"job {job_file}: ok")
     for line in report.lines():
         click.echo(line)
@@ -206,13 +335,10 @@ def plan(job_file, overrides, overwrite) -> None:
     to start makes it while the others wait.
     """
     stop = StopFlag()
-    with GracefulStop(stop):
+    with GracefulStop(stop), _exit_codes():
         from batchgen.pipeline.plan_command import make_plan
 
-        try:
-            lines = make_plan(load_job(job_file, overrides), overwrite, stop, _log)
-        except JobError as e:
-            _fail(str(e))
+        lines = make_plan(load_job(job_file, overrides), overwrite, stop, _log)
     for line in lines:
         click.echo(line)
     sys.exit(EX_TEMPFAIL if stop.is_set() else EXIT_OK)
@@ -228,16 +354,18 @@ def status(out_dir) -> None:
     """Show OUT_DIR's progress: shards done, partial shards, who works on what, rows, tokens."""
     from batchgen.pipeline.status import status_lines
 
-    try:
+    with _exit_codes():
         lines = status_lines(out_dir)
-    except JobError as e:
-        _fail(str(e))
     for line in lines:
         click.echo(line)
 
 
 @main.command("make-model")
-@click.option("--arch", type=click.Choice(["llama", "qwen2", "qwen3", "mistral"]), required=True)
+@click.option(
+    "--arch",
+    type=click.Choice(["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"]),
+    required=True,
+)
 @click.option("--preset", default="tiny", show_default=True, help="Model size preset.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
 @click.argument("out_dir", type=click.Path(file_okay=False))

@@ -8,23 +8,37 @@ from tqdm import tqdm
 
 from batchgen.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
+from batchgen.job.spec import PromptSpec
+from batchgen.llm_inputs import conversation_list, prompt_list
+from batchgen.models.hub import resolve_model
 from batchgen.outputs import RequestOutput, ScoreOutput
+from batchgen.plan.prompts import PromptError, PromptRenderer
 from batchgen.plan.scoring import tokenize_for_scoring
 from batchgen.sampling_params import SamplingParams
 
 
 class LLM:
-    """Offline generation over a Hugging Face model directory.
+    """Offline generation over a Hugging Face model directory or hub model id.
 
     Args:
-        model: path to the model directory (config.json, safetensors, tokenizer.json).
+        model: a model directory (config.json, safetensors, tokenizer.json), or a Hugging Face
+            repo id such as "Qwen/Qwen3-0.6B" (fetched into the hub cache, or found there when
+            offline; a local directory of the same name wins).
         dtype: "auto", "bfloat16", "float16" or "float32".
+        revision: branch, tag or commit of a hub repo id.
         **engine_options: any other EngineConfig field (device, block_size, num_kv_blocks,
-            max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching, ...).
+            max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
+            cpu_threads, tensor_parallel_size, ...).
+
+    With tensor_parallel_size > 1 the LLM starts one process per extra rank; `shutdown()` (or
+    `with LLM(...) as llm:`) stops them, as does dropping the LLM or leaving Python.
     """
 
-    def __init__(self, model: str, dtype: str = "auto", **engine_options) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine_options))
+    def __init__(
+        self, model: str, dtype: str = "auto", revision: str | None = None, **engine_options
+    ) -> None:
+        local = resolve_model(model, revision)
+        self.engine = LLMEngine(EngineConfig(model=local, dtype=dtype, **engine_options))
         self.tokenizer = self.engine.tokenizer
 
     @classmethod
@@ -38,16 +52,29 @@ class LLM:
     def stats(self):
         return self.engine.stats
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes and leave the process group now (done
+        anyway when the LLM is collected or Python exits). The LLM cannot run afterwards."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def generate(
         self,
-        prompts: SequenceABC[str] | SequenceABC[list[int]],
+        prompts: str | dict | SequenceABC[str | list[int] | dict],
         sampling_params: SamplingParams | SequenceABC[SamplingParams | dict] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids).
+        """Generate for every prompt.
 
         Args:
-            prompts: strings (tokenized with the model's tokenizer, BOS added) or token-id lists.
+            prompts: each a string (tokenized with the model's tokenizer, BOS added), a list of
+                token ids, `{"prompt": text}` or `{"prompt_token_ids": ids}`; forms may be mixed.
+                A dict with any other key raises ValueError naming the key and the index.
             sampling_params: one SamplingParams for all, or one per prompt (a SamplingParams or
                 a dict of its fields; an invalid dict makes that prompt's output an error).
             use_tqdm: show a progress bar with generated tokens/s.
@@ -56,19 +83,73 @@ class LLM:
             One RequestOutput per prompt, in input order; a bad request has finish_reason
             "error" and a message in `.error`.
         """
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(
-                f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one, or one "
-                "per prompt"
-            )
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        items = prompt_list(prompts)
+        params = self._params_per_prompt(sampling_params, len(items))
+        for i, (prompt, p) in enumerate(zip(items, params)):
             self.engine.add_request(str(i), prompt, p)
-        return self._run(len(prompts), use_tqdm, "generate")
+        return self._run(len(items), use_tqdm, "generate")
+
+    def chat(
+        self,
+        messages: SequenceABC[dict] | SequenceABC[SequenceABC[dict]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams | dict] | None = None,
+        chat_template: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate a reply to each conversation, rendered with the model's chat template.
+
+        The template runs in batchgen's jinja2 sandbox (as `prompt.chat` in a job file), with
+        the generation prompt added; text the template starts with BOS is not given a second.
+
+        Args:
+            messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
+            sampling_params: as in `generate`, one for all or one per conversation.
+            chat_template: a jinja2 template used instead of the model's own.
+            use_tqdm: show a progress bar.
+
+        Returns:
+            One RequestOutput per conversation, in order; one the template refuses (e.g. by
+            `raise_exception`) comes back with finish_reason "error" and error_code
+            "template_error".
+        Raises:
+            ValueError: malformed messages, no chat template, or one that does not compile or
+                fails on a plain user message.
+        """
+        conversations = conversation_list(messages)
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer, and this engine has none (pass token ids)")
+        renderer = PromptRenderer(
+            PromptSpec(chat_template=chat_template), tok.chat_template, tok.bos_token, tok.eos_token
+        )
+        try:
+            renderer.check(needs_chat=True)
+        except PromptError as e:
+            message = str(e).replace("prompt.chat_template", "chat_template=")
+            raise ValueError(f"chat template: {message}") from None
+        params = self._params_per_prompt(sampling_params, len(conversations))
+        results: list[RequestOutput | None] = [None] * len(conversations)
+        for i, (conversation, p) in enumerate(zip(conversations, params)):
+            try:
+                rendered = renderer.render_messages(conversation)
+            except PromptError as e:
+                results[i] = RequestOutput.failed(str(i), [], e.code, f"messages[{i}]: {e}")
+                continue
+            ids = tok.encode(rendered.text, add_special_tokens=rendered.add_special_tokens)
+            self.engine.add_request(str(i), ids, p)
+        return self._run(len(conversations), use_tqdm, "chat", results)
+
+    @staticmethod
+    def _params_per_prompt(sampling_params, count: int) -> list:
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, (SamplingParams, dict)):
+            return [params] * count
+        params = list(params)
+        if len(params) != count:
+            raise ValueError(
+                f"got {len(params)} SamplingParams for {count} prompts; pass one, or one per prompt"
+            )
+        return params
 
     def score(
         self,
@@ -105,9 +186,18 @@ class LLM:
             for i, o in enumerate(outputs)
         ]
 
-    def _run(self, count: int, use_tqdm: bool, what: str) -> list[RequestOutput]:
-        results: list[RequestOutput | None] = [None] * count
+    def _run(
+        self,
+        count: int,
+        use_tqdm: bool,
+        what: str,
+        results: list[RequestOutput | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Step the engine until the `count` requests ("0".."count-1") are done; `results` may
+        hold outputs decided before the engine (those ids were never added)."""
+        results = results if results is not None else [None] * count
         bar = tqdm(total=count, desc=what, disable=not use_tqdm, dynamic_ncols=True)
+        bar.update(sum(r is not None for r in results))
         stats = self.engine.stats
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():

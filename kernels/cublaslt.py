@@ -2,7 +2,7 @@
 chosen cuBLASLt algorithm instead of the one cuBLAS's heuristic picks.
 
 cuBLAS picks one kernel per shape from a heuristic, and on the H100 that pick is measurably off
-at many of the row counts a decode step runs (RESULTS.md, twelfth session). cuBLASLt's heuristic
+at many of the row counts a decode step runs (2026-11-23, 720e072). cuBLASLt's heuristic
 lists several candidate algorithms (tile, stages, split-K, cluster shape) for a shape. This
 module is the binding: `LtProduct` (one shape's descriptors, its candidates, the launch) and
 `Candidate` (one algorithm). batchgen.layers.gemm_tuning times the candidates and registers the

@@ -29,7 +29,7 @@ SPLIT_FILL = 2
 _MIN_KEYS_PER_SPLIT = 256
 # The split kernel's key rows per tile, warps and software-pipeline stages on a GPU. 128-key
 # tiles in 2 stages beat 64 x 3 by 0.3-0.5% in llama3.1-8b nano runs (H100, same-call sweeps,
-# RESULTS.md sixteenth session); 8 warps, 32-key tiles and 2 warps lost.
+# 2026-11-23, 6d7449c); 8 warps, 32-key tiles and 2 warps lost.
 DECODE_BLOCK_N = 128
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 2

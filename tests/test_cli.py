@@ -319,3 +319,10 @@ def test_stop_signal_while_starting_up_exits_75(tmp_path, monkeypatch, when):
     res = invoke("run", str(job))
     assert res.exit_code == 0 and "_SUCCESS written" in res.output
     assert len(read_output(tmp_path / "out")) == 12
+
+
+def test_version_is_the_installed_package_version():
+    from importlib.metadata import version
+
+    res = invoke("--version")
+    assert res.exit_code == 0 and res.output == f"batchgen {version('batchgen')}\n"

@@ -18,7 +18,7 @@ def test_no_top_level_kernels_and_transformers_imports(tmp_path):
         "print('ok')\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"

@@ -8,6 +8,8 @@ import click
 
 from batchgen.bench.workloads import WORKLOADS
 from batchgen.config import ConfigError, EngineConfig
+from batchgen.models.errors import ModelLoadError
+from batchgen.models.hub import resolve_model
 from batchgen.models.presets import PRESET_NAMES
 
 
@@ -21,7 +23,13 @@ from batchgen.models.presets import PRESET_NAMES
     show_default=True,
     help="Random-weight model in this architecture, built on the device (no disk).",
 )
-@click.option("--model", "model_path", default=None, help="A HF model directory instead.")
+@click.option(
+    "--model",
+    "model_path",
+    default=None,
+    help="A HF model directory or hub repo id (ORG/NAME) instead.",
+)
+@click.option("--revision", default=None, help="Branch, tag or commit of a hub repo id.")
 @click.option("--peer", type=click.Choice(["hf"]), default=None, help="Also run this peer.")
 @click.option("--repeat", default=1, show_default=True, help="Timed runs; the median is quoted.")
 @click.option("--peer-repeat", default=1, show_default=True, help="Timed runs of the peer.")
@@ -65,6 +73,19 @@ from batchgen.models.presets import PRESET_NAMES
     is_flag=True,
     help="Run every projection with cuBLAS's own pick (no cuBLASLt tuning).",
 )
+@click.option(
+    "--tensor-parallel-size",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Split the model over this many GPUs (processes on CPU); presets build each share "
+    "on its own GPU.",
+)
+@click.option(
+    "--disable-custom-all-reduce",
+    is_flag=True,
+    help="Tensor parallel: all-reduce through NCCL only (no one-shot kernel).",
+)
 @click.option("--max-num-seqs", type=int, default=None)
 @click.option("--max-num-batched-tokens", type=int, default=None)
 @click.option("--admission-interval", type=int, default=None)
@@ -81,7 +102,7 @@ from batchgen.models.presets import PRESET_NAMES
 @click.option("--cpu-kv-cache-gb", type=float, default=None)
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
 def bench(**kw) -> None:
-    """Benchmark the engine on a standard workload (BENCHMARKS.md) and print one table last.
+    """Benchmark the engine on a standard workload (examples/benchmarks/README.md); one table last.
 
     Times only the generate phase (after model load and warm-up, GPU synchronized); reports
     output / total tok/s, requests/s, peak GPU memory, prefix-cache hit rate, preemptions and
@@ -102,6 +123,13 @@ def bench(**kw) -> None:
         "cpu_kv_cache_gb",
     )
     options = {k: kw[k] for k in engine_keys if kw[k] is not None}
+    if kw["model_path"] is not None:
+        try:
+            kw["model_path"] = resolve_model(kw["model_path"], kw["revision"])
+        except ModelLoadError as e:
+            raise click.BadParameter(str(e), param_hint="--model") from None
+    elif kw["revision"] is not None:
+        raise click.BadParameter("needs --model (a hub repo id)", param_hint="--revision")
     try:
         engine = EngineConfig(
             model=kw["model_path"] or "<random preset>",
@@ -113,6 +141,8 @@ def bench(**kw) -> None:
             kn_weights=not kw["no_kn_weights"],
             tune_gemms=not kw["no_tune_gemms"],
             seed=kw["seed"],
+            tensor_parallel_size=kw["tensor_parallel_size"],
+            disable_custom_all_reduce=kw["disable_custom_all_reduce"],
             **options,
         )
     except ConfigError as e:

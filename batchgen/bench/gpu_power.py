@@ -1,12 +1,12 @@
 """The GPU's SM clock, board power and clock-event reasons while a timed run executes.
 
 A run that holds the GPU at its power limit runs at a lower SM clock than the burst ceilings
-see (llama3.1-8b `nano` on an H100: 690 W of 700, 1,400-1,900 MHz against 1,980; RESULTS.md,
-twenty-second session), and how low depends on the board. So each timed run records what the
-GPU did during it. Samples come from NVML (ctypes, no extra package) in a child process,
-`python -m batchgen.bench.gpu_power UUID INTERVAL` (samples on stdout until its stdin closes),
-so the sampler never takes the GIL from the engine's host loop. Where NVML or a CUDA device is
-missing, the summary is None and the reason is kept.
+see (llama3.1-8b `nano` on an H100: 690 W of 700, 1,400-1,900 MHz against 1,980; measured
+2026-11-23 at 12e5315, examples/benchmarks/RESULTS.md), and how low depends on the board. So
+each timed run records what the GPU did during it. Samples come from NVML (ctypes, no extra
+package) in a child process, `python -m batchgen.bench.gpu_power UUID INTERVAL` (samples on
+stdout until its stdin closes), so the sampler never takes the GIL from the engine's host
+loop. Where NVML or a CUDA device is missing, the summary is None and the reason is kept.
 """
 
 from __future__ import annotations

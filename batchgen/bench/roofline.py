@@ -1,4 +1,5 @@
-"""Roofline of a workload: the decode bytes model and the prefill FLOPs model of BENCHMARKS.md.
+"""Roofline of a workload: the decode bytes model and the prefill FLOPs model of the
+benchmark spec (examples/benchmarks/README.md).
 
 Both are ideal times on the measured ceilings, for bf16 KV with all requests resident:
 
@@ -7,7 +8,7 @@ Both are ideal times on the measured ceilings, for bf16 KV with all requests res
   generating, of context prompt_i + t - 1 tokens:
       T_decode = (max_i m_i * W + kv_bytes_per_token * sum_i (m_i p_i + m_i (m_i - 1) / 2)) / BW
   (kv_bytes_per_token = 2 x layers x kv_heads x head_dim x 2). This reproduces the `nano` limits
-  of BENCHMARKS.md (about 26,600 output tok/s for qwen3-0.6b at 3.0 TB/s).
+  of examples/benchmarks/README.md (about 26,600 output tok/s for qwen3-0.6b at 3.0 TB/s).
 - FLOPs: every token the ideal engine runs costs 2 x non-embedding params plus attention
   4 x layers x heads x head_dim x position. Prefill runs each prompt once, minus the prefix an
   earlier request shares; scoring runs each candidate after its prompt; decode runs m_i - 1
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 
 from batchgen.bench.workloads import Workload
 
-NOMINAL_H100_FLOPS = 775e12  # BENCHMARKS.md: bf16 dense matmul 8192^3, measured on the H100
+# bf16 dense matmul 8192^3, measured on the H100 (examples/benchmarks/README.md).
+NOMINAL_H100_FLOPS = 775e12
 
 
 @dataclass(frozen=True)
@@ -45,12 +47,22 @@ class ModelShape:
         return 2.0 * self.non_embedding_params * count + self.attention_flops(start, count)
 
 
-def model_shape(model_config, non_embedding_params: int, weight_bytes: int, kv_itemsize: int):
+def model_shape(
+    model_config,
+    non_embedding_params: int,
+    weight_bytes: int,
+    kv_itemsize: int,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+):
+    """The shape the roofline costs. Tensor parallel: pass one rank's parameters, bytes and
+    heads (default: the config's), for the per-rank roofline (all-reduces not counted)."""
     c = model_config
-    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * kv_itemsize
+    kv_heads = num_kv_heads or c.num_key_value_heads
+    kv = 2 * c.num_hidden_layers * kv_heads * c.head_dim * kv_itemsize
     return ModelShape(
         c.num_hidden_layers,
-        c.num_attention_heads,
+        num_heads or c.num_attention_heads,
         c.head_dim,
         non_embedding_params,
         weight_bytes,
@@ -101,7 +113,7 @@ def roofline_metrics(
         "ideal_decode_s": decode_s,
         "ideal_prefill_s": prefill_s,
         "roofline_output_tok_s": output_tokens / decode_s if decode_s else None,
-        # BENCHMARKS.md's targets: achieved output tok/s over the decode bytes model's.
+        # The targets (examples/benchmarks/README.md): output tok/s over the decode bytes model's.
         "roofline_fraction": decode_s / wall_s if decode_s and wall_s > 0 else None,
         # Both models together: (ideal decode + ideal prefill) / wall.
         "roofline_fraction_combined": (decode_s + prefill_s) / wall_s if wall_s > 0 else None,

@@ -1,4 +1,4 @@
-"""The standard benchmark workloads of BENCHMARKS.md as token-id requests, from seeded RNGs."""
+"""The standard benchmark workloads (examples/benchmarks/README.md) as token-id requests, seeded."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ the tokens of the step still in flight (async scheduling) without waiting for th
 sends a few numbers per row each step (buffer row, history length, prompt length, penalties)
 instead of the whole history. Before this, a penalised batch settled the step in flight and
 walked every row's history in Python: nano on qwen3-0.6b ran 12x slower with
-repetition_penalty=1.1 (RESULTS.md, twenty-third session).
+repetition_penalty=1.1 (2026-11-24, before 76fa873; examples/benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

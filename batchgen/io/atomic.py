@@ -9,6 +9,9 @@ import hashlib
 import os
 import secrets
 import socket
+from typing import NoReturn
+
+from batchgen.job.spec import JobError
 
 TMP_MARK = ".tmp-"
 # Six hex digits naming this host, the first part of a temp name's hex: a later run on the
@@ -39,6 +42,24 @@ def writer_is_gone(pid: int, token: str) -> bool:
     return False
 
 
+def link_refused(shown: str) -> JobError:
+    """The error for symlinks planted where batchgen reads or writes (`shown`: their paths)."""
+    return JobError(
+        f"output.path: {shown} is a symlink, which batchgen never creates and does not "
+        "follow inside its output directory; remove it (the file it points to is not "
+        "touched)"
+    )
+
+
+def own_dir(path: str) -> str:
+    """Create directory `path` if absent and return it; a symlink there (planted since the
+    run's start) is refused, never written through."""
+    os.makedirs(path, exist_ok=True)
+    if os.path.islink(path):
+        raise link_refused(path)
+    return path
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -56,16 +77,34 @@ def commit(tmp: str, final: str) -> None:
 
 
 def write_bytes(final: str, data: bytes) -> None:
-    """Atomically replace `final` with `data`."""
+    """Atomically replace `final` with `data`. An OSError names the file (see named)."""
     tmp = temp_path(final)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
         commit(tmp, final)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise named(e, final) from e
         raise
+
+
+def named(e: OSError, path: str) -> OSError:
+    """`e` if it names a file, else the same error naming `path`: a failed write() or fsync
+    (a full disk) names none, and the message a user sees must say where."""
+    if e.filename is not None:
+        return e
+    return OSError(e.errno, e.strerror or str(e), path)  # the errno's subclass, e.g. ENOSPC
+
+
+def _raise_named(e: OSError, path: str) -> NoReturn:
+    """Raise `e`, naming `path` if it names no file (see named)."""
+    better = named(e, path)
+    if better is e:
+        raise e
+    raise better from e
 
 
 class LostTemp(OSError):
@@ -100,7 +139,9 @@ def publish(tmp: str, final: str) -> bool:
     except FileNotFoundError as e:
         if not os.path.exists(tmp):
             raise LostTemp(errno.ENOENT, "temp file removed before publishing", tmp) from e
-        raise
+        _raise_named(e, final)
+    except OSError as e:
+        _raise_named(e, final)
     finally:
         try:
             os.unlink(tmp)
@@ -114,8 +155,10 @@ def publish_bytes(final: str, data: bytes) -> bool:
     try:
         with open(tmp, "wb") as f:
             f.write(data)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            _raise_named(e, final)
         raise
     return publish(tmp, final)

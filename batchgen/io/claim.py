@@ -37,6 +37,7 @@ def claim_output(
     which the caller releases when the run ends. Raises JobError if the directory is not this
     job's to write."""
     os.makedirs(out_dir, exist_ok=True)
+    manifest.check_no_links(out_dir)  # before anything in it is read, written or cleared
     name = f"run-{locks.HOST}-{os.getpid()}-{os.urandom(4).hex()}.lock"
     run = locks.try_acquire(locks.lock_path(out_dir, name), "run", lease_s, task)
     assert isinstance(run, locks.HeldLock)  # a unique name: nobody else holds it

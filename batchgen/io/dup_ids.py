@@ -11,9 +11,15 @@ different ids only makes both candidates, never a false duplicate.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
-import polars as pl
+
+if TYPE_CHECKING:
+    import polars as pl
+
+# polars is imported where ids are hashed: importing the planner (the runner, the CLI) must
+# not need it.
 
 NO_ID = np.uint64(0)  # the hash slot of a unit without a usable id (an error row)
 BUCKET_BITS = 4  # repeated hashes are found in 2**4 buckets by their top bits
@@ -35,6 +41,8 @@ class DuplicateFinder:
         """The ids of the next len(ids) units, in order (None: the unit takes no part)."""
         if not ids:
             return
+        import polars as pl
+
         series = pl.Series(ids, dtype=pl.String)
         hashes = _hashes(series).astype(np.uint64, copy=True)
         hashes[hashes == NO_ID] = 1  # 0 is the no-id mark; a real hash of 0 becomes 1

@@ -120,7 +120,8 @@ def inspect(path: str, lease_s: float, now: float | None = None) -> LockInfo | N
         mtime = st.st_mtime
         if (st.st_dev, st.st_ino) in _HELD:
             return LockInfo(path, _HELD[(st.st_dev, st.st_ino)], mtime, live=True)
-        with open(path, encoding="utf-8") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a planted symlink is not followed
+        with open(fd, encoding="utf-8") as f:
             holder = json.load(f)
         if not isinstance(holder, dict):
             raise ValueError
@@ -214,7 +215,7 @@ def try_acquire(
 
 
 def _create(path: str, holder: dict) -> HeldLock | None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    atomic.own_dir(os.path.dirname(path))
     tmp = atomic.temp_path(path)
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -262,7 +263,7 @@ def list_locks(out_dir: str, lease_s: float = DEFAULT_LEASE_S) -> list[LockInfo]
     """Every lock file of an output directory, live or stale, by name."""
     d = os.path.join(out_dir, LOCK_DIR)
     found = []
-    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+    for name in sorted(os.listdir(d)) if os.path.isdir(d) and not os.path.islink(d) else []:
         if name.endswith(".lock") and not name.startswith("."):
             info = inspect(os.path.join(d, name), lease_s)
             if info is not None:

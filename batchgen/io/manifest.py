@@ -43,8 +43,11 @@ _BROKEN_LOCK = re.compile(r"^[\w.-]+\.lock\.broken-[0-9a-f]+$")
 
 
 def _read_json(path: str) -> dict | None:
+    """A JSON object batchgen wrote, or None; a symlink is never followed (O_NOFOLLOW):
+    batchgen creates none, so one in the output directory is someone else's."""
     try:
-        with open(path, encoding="utf-8") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with open(fd, encoding="utf-8") as f:
             obj = json.load(f)
         return obj if isinstance(obj, dict) else None
     except (OSError, ValueError):
@@ -53,6 +56,44 @@ def _read_json(path: str) -> dict | None:
 
 def json_bytes(obj: dict) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
+def planted_links(out_dir: str) -> list[str]:
+    """Symlinks among the names batchgen reads and writes in out_dir and in its _manifest/,
+    _partial/ and _locks/ (the plan, entries, pieces, lock and claim files, temps of each):
+    batchgen creates none, and following one would read or write outside the directory."""
+    found = []
+    if not os.path.isdir(out_dir):
+        return found
+    for name in os.listdir(out_dir):
+        path = os.path.join(out_dir, name)
+        if (name in _DIRS or _written_by_batchgen(name)) and os.path.islink(path):
+            found.append(path)
+    for sub, ours in _SUBDIR_NAMES.items():
+        d = own_subdir(out_dir, sub)
+        for name in os.listdir(d) if d is not None else []:
+            path = os.path.join(d, name)
+            if ours(name) and os.path.islink(path):
+                found.append(path)
+    return sorted(found)
+
+
+def check_no_links(out_dir: str) -> None:
+    """Raise JobError naming any symlink planted where batchgen reads or writes."""
+    links = planted_links(out_dir)
+    if links:
+        raise atomic.link_refused(", ".join(links[:4]) + (" ..." if len(links) > 4 else ""))
+
+
+def own_subdir(out_dir: str, name: str) -> str | None:
+    """out_dir/name (_manifest, _partial, _locks) if it is a real directory (not a symlink),
+    else None: nothing is read from, written to or removed in a planted link's target."""
+    d = os.path.join(out_dir, name)
+    return d if os.path.isdir(d) and not os.path.islink(d) else None
+
+
+def _manifest_dir(out_dir: str) -> str | None:
+    return own_subdir(out_dir, MANIFEST_DIR)
 
 
 def write_json(path: str, obj: dict) -> None:
@@ -73,6 +114,8 @@ def entry_path(out_dir: str, k: int) -> str:
 
 def write_entry(out_dir: str, k: int, entry: dict[str, Any]) -> None:
     os.makedirs(os.path.join(out_dir, MANIFEST_DIR), exist_ok=True)
+    if _manifest_dir(out_dir) is None:  # a symlink planted since the run's start
+        check_no_links(out_dir)
     write_json(entry_path(out_dir, k), {**entry, "shard": k, "committed_at": time.time()})
 
 
@@ -80,7 +123,7 @@ def publish_entry(out_dir: str, k: int, entry: dict[str, Any]) -> dict:
     """Create shard k's entry unless one exists; returns the entry in place. An existing
     entry that does not describe the data file now committed (left by an earlier commit
     whose data was removed) is replaced: the data file is the commit, the entry its record."""
-    os.makedirs(os.path.join(out_dir, MANIFEST_DIR), exist_ok=True)
+    atomic.own_dir(os.path.join(out_dir, MANIFEST_DIR))
     record = {**entry, "shard": k, "committed_at": time.time()}
     path = entry_path(out_dir, k)
     if atomic.publish_bytes(path, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()):
@@ -98,10 +141,10 @@ def read_entries_of(out_dir: str, k: int) -> dict | None:
 
 
 def read_entries(out_dir: str) -> dict[int, dict]:
-    """All shard entries present (not verified)."""
-    d = os.path.join(out_dir, MANIFEST_DIR)
+    """All shard entries present (not verified); none through a symlinked _manifest/."""
+    d = _manifest_dir(out_dir)
     out = {}
-    for name in os.listdir(d) if os.path.isdir(d) else []:
+    for name in os.listdir(d) if d is not None else []:
         m = _ENTRY.match(name)
         if m and (e := _read_json(os.path.join(d, name))) is not None:
             out[int(m.group(1))] = e
@@ -114,7 +157,7 @@ def verify_entry(out_dir: str, entry: dict, fingerprint: str) -> bool:
         return False
     path = os.path.join(out_dir, str(entry.get("file", "")))
     try:
-        if os.path.getsize(path) != entry.get("size"):
+        if os.path.islink(path) or os.path.getsize(path) != entry.get("size"):
             return False
         if path.endswith(".parquet"):
             return pq.read_metadata(path).num_rows == entry.get("rows")
@@ -136,8 +179,8 @@ def committed_shards(out_dir: str, fingerprint: str, only=None) -> dict[int, dic
 
 def entry_names(out_dir: str) -> set[int]:
     """Shards with an entry file (one listing, nothing read or verified)."""
-    d = os.path.join(out_dir, MANIFEST_DIR)
-    names = os.listdir(d) if os.path.isdir(d) else []
+    d = _manifest_dir(out_dir)
+    names = os.listdir(d) if d is not None else []
     return {int(m.group(1)) for n in names if (m := _ENTRY.match(n))}
 
 
@@ -175,9 +218,9 @@ def list_temps(out_dir: str) -> list[tuple[str, str, int | None, int | None, str
     """(directory, name, shard or None, writer pid, token) of every temp file batchgen may
     have left in the output directory, its manifest, pieces and locks."""
     found = []
-    dirs = (out_dir, *(os.path.join(out_dir, d) for d in (MANIFEST_DIR, PARTIAL_DIR, LOCK_DIR)))
+    dirs = (out_dir, *(own_subdir(out_dir, d) for d in (MANIFEST_DIR, PARTIAL_DIR, LOCK_DIR)))
     for d in dirs:
-        for name in os.listdir(d) if os.path.isdir(d) else []:
+        for name in os.listdir(d) if d is not None and os.path.isdir(d) else []:
             m = _TEMP.match(name)
             if m is not None:
                 k = int(m.group(2)) if m.group(2) is not None and d != dirs[3] else None
@@ -194,6 +237,13 @@ def _written_by_batchgen(name: str) -> bool:
 
 
 _DIRS = (MANIFEST_DIR, PARTIAL_DIR, LOCK_DIR)
+# What batchgen writes inside each subdirectory (planted_links): entries, pieces, locks (the
+# claim mutex and run locks among them), a broken lock set aside, and temps of each.
+_SUBDIR_NAMES = {
+    MANIFEST_DIR: lambda n: bool(_ENTRY.match(n) or _TEMP.match(n)),
+    PARTIAL_DIR: lambda n: bool(PIECE.match(n) or _TEMP.match(n)),
+    LOCK_DIR: lambda n: n.endswith(".lock") or bool(_TEMP.match(n) or _BROKEN_LOCK.match(n)),
+}
 
 
 def foreign_names(out_dir: str) -> list[str]:

@@ -23,21 +23,28 @@ def output_line(result: ResultRow, model: str, created: int | None = None) -> di
         return line
     texts = _as_list(result.text)
     reasons = _as_list(result.finish_reason)
+    logprobs = result.logprobs if isinstance(result.logprobs, list) else [result.logprobs]
+    logprobs += [None] * (len(texts) - len(logprobs))
     completion = sum(_as_list(result.num_output_tokens))
     if result.chat:
         obj, choices = (
             "chat.completion",
             [
-                {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r}
-                for i, (t, r) in enumerate(zip(texts, reasons))
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": t, "refusal": None},
+                    "logprobs": lp,
+                    "finish_reason": r,
+                }
+                for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))
             ],
         )
     else:
         obj, choices = (
             "text_completion",
             [
-                {"index": i, "text": t, "finish_reason": r, "logprobs": None}
-                for i, (t, r) in enumerate(zip(texts, reasons))
+                {"index": i, "text": t, "logprobs": lp, "finish_reason": r}
+                for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))
             ],
         )
     body = {

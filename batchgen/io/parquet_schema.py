@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
 
-import polars as pl
-import pyarrow as pa
-import pyarrow.parquet as pq
+if TYPE_CHECKING:
+    import polars as pl
+    import pyarrow as pa
 
 
 def parquet_schema(path: str) -> dict[str, pl.DataType]:
@@ -22,6 +23,8 @@ def parquet_schema(path: str) -> dict[str, pl.DataType]:
 @functools.lru_cache(maxsize=16384)
 def _read(path: str, size: int, mtime_ns: int) -> tuple[tuple[str, pl.DataType], ...]:
     # size and mtime_ns are part of the key only: a rewritten file is read again.
+    import polars as pl
+
     return tuple(pl.read_parquet_schema(path).items())
 
 
@@ -33,5 +36,7 @@ def arrow_schema(path: str) -> dict[str, pa.DataType]:
 
 @functools.lru_cache(maxsize=16384)
 def _read_arrow(path: str, size: int, mtime_ns: int) -> tuple[tuple[str, pa.DataType], ...]:
+    import pyarrow.parquet as pq
+
     schema = pq.read_schema(path)
     return tuple((f.name, f.type) for f in schema)

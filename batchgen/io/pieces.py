@@ -46,6 +46,12 @@ def partial_dir(out_dir: str) -> str:
     return os.path.join(out_dir, PARTIAL_DIR)
 
 
+def _listing(out_dir: str) -> tuple[str, list[str]]:
+    """_partial/ and its names; none if it is absent or a symlink (batchgen creates none)."""
+    d = partial_dir(out_dir)
+    return d, os.listdir(d) if os.path.isdir(d) and not os.path.islink(d) else []
+
+
 def _name(k: int, number: int, ext: str) -> str:
     return f"part-{k:05d}.p{number:04d}.{ext}"
 
@@ -63,7 +69,8 @@ def unit_ranges(units: list[int]) -> list[list[int]]:
 
 def _read(path: str) -> dict | None:
     try:
-        with open(path, encoding="utf-8") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a planted symlink is not followed
+        with open(fd, encoding="utf-8") as f:
             obj = json.load(f)
         return obj if isinstance(obj, dict) else None
     except (OSError, ValueError):
@@ -72,9 +79,8 @@ def _read(path: str) -> dict | None:
 
 def list_pieces(out_dir: str, fingerprint: str) -> dict[int, list[Piece]]:
     """Committed pieces of this job by shard, in piece-number order (one directory listing)."""
-    d = partial_dir(out_dir)
+    d, names = _listing(out_dir)
     found: dict[int, list[Piece]] = {}
-    names = os.listdir(d) if os.path.isdir(d) else []
     for name in sorted(names):
         m = PIECE.match(name)
         if m is None or m.group(3) != "json":
@@ -113,8 +119,7 @@ def commit_piece(
     empty batch). `fields`: fingerprint and counters for the entry."""
     if not batch.num_rows:
         return None
-    d = partial_dir(out_dir)
-    os.makedirs(d, exist_ok=True)
+    d = atomic.own_dir(partial_dir(out_dir))
     ext = "jsonl" if layout.fmt == "openai-batch" else "parquet"
     number = 1 + max(
         (int(m.group(2)) for n in os.listdir(d) if (m := PIECE.match(n)) and int(m.group(1)) == k),
@@ -140,10 +145,8 @@ def read_pieces(out_dir: str, pieces: list[Piece], layout: ShardLayout) -> list[
 
 def remove_pieces(out_dir: str, k: int) -> None:
     """Remove every piece file of shard k (entries first: no entry outlives its data)."""
-    d = partial_dir(out_dir)
-    if not os.path.isdir(d):
-        return
-    names = [n for n in os.listdir(d) if (m := PIECE.match(n)) and int(m.group(1)) == k]
+    d, names = _listing(out_dir)
+    names = [n for n in names if (m := PIECE.match(n)) and int(m.group(1)) == k]
     for name in sorted(names, key=lambda n: not n.endswith(".json")):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(d, name))
@@ -151,10 +154,8 @@ def remove_pieces(out_dir: str, k: int) -> None:
 
 def remove_superseded(out_dir: str, committed: set[int]) -> None:
     """Remove the pieces of committed shards, and `_partial/` itself once empty."""
-    d = partial_dir(out_dir)
-    if not os.path.isdir(d):
-        return
-    for name in os.listdir(d):
+    d, names = _listing(out_dir)
+    for name in names:
         m = PIECE.match(name)
         if m and int(m.group(1)) in committed:
             with contextlib.suppress(FileNotFoundError):

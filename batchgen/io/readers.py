@@ -8,13 +8,12 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-import polars as pl
-
 from batchgen.io.json_line import BOM, NotText, loads
 from batchgen.io.parquet_chunks import Piece, read_chunks
 from batchgen.io.parquet_schema import parquet_schema
 from batchgen.io.rows import InputRow, Position
 from batchgen.job import InputSpec, JobError
+from batchgen.job.spec import DEFAULT_MAX_ROW_BYTES
 from batchgen.short_repr import short_repr
 
 OPENAI_KEY = "__openai__"  # data key holding an OpenAI batch line's {url, body}
@@ -89,13 +88,60 @@ def _bad_id_message(key: str, value: Any) -> str:
     return f"id {key!r} must be a string or an integer, got {kind} {short_repr(value)}"
 
 
-def _sample_objects(path: str, limit: int) -> Iterator[dict]:
+def bounded_lines(f, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
+    """(line number, line, size) for each line of binary file `f`, without its newline and
+    the file's BOM; a line over `limit` bytes comes as None (with its size), read past in
+    1 MiB pieces and never held whole."""
+    for lineno, _, content, size in lines_from(f, limit):
+        yield lineno, content, size
+
+
+def lines_from(
+    f, limit: int, offset: int = 0, lineno: int = 1, stop: int | None = None
+) -> Iterator[tuple[int, int, bytes | None, int]]:
+    """(line number, byte offset, line, size) for each line of binary file `f` from byte
+    `offset` on (the start of line `lineno`) to the line starting at or past `stop`, as
+    bounded_lines gives them; the offset is where the line starts in the file, so a reader
+    can later seek back to it."""
+    f.seek(offset)
+    while stop is None or offset < stop:
+        at = offset
+        # Room for the content, "\r" and "\n" (and the BOM, which is no content).
+        line = f.readline(limit + 2 + (len(BOM) if at == 0 else 0))
+        if not line:
+            return
+        offset += len(line)
+        if at == 0:
+            line = line.removeprefix(BOM)
+        if line.endswith(b"\n") or len(line) <= limit:
+            content = line.rstrip(b"\r\n")
+            if len(content) <= limit:
+                yield lineno, at, content, len(content)
+                lineno += 1
+                continue
+        size = len(line.rstrip(b"\r\n"))
+        while not line.endswith(b"\n"):
+            line = f.readline(1 << 20)
+            if not line:
+                break
+            offset += len(line)
+            size += len(line.rstrip(b"\r\n"))
+        yield lineno, at, None, size
+        lineno += 1
+
+
+def _sample_objects(
+    path: str, limit: int, max_bytes: int = DEFAULT_MAX_ROW_BYTES
+) -> Iterator[dict]:
+    """The JSON objects among the first `limit` lines (lines over `max_bytes` skipped)."""
     with open(path, "rb") as f:
-        for i, line in enumerate(f):
-            if i >= limit:
+        for lineno, line, _ in bounded_lines(f, max_bytes):
+            if lineno > limit:
                 return
+            if line is None:
+                continue
             try:
-                obj = loads(line.removeprefix(BOM) if i == 0 else line)
+                obj = loads(line)
             except ValueError:
                 continue
             if isinstance(obj, dict):
@@ -121,7 +167,7 @@ def check_columns(files: list[str], spec: InputSpec, needed: list[str]) -> None:
             _check_id_dtype(path, spec.id_column, schema.get(spec.id_column))
         elif fmt == "jsonl":
             names = set()
-            for obj in _sample_objects(path, 100):
+            for obj in _sample_objects(path, 100, spec.max_row_bytes):
                 names.update(obj)
             if not names:
                 continue
@@ -138,6 +184,8 @@ def check_columns(files: list[str], spec: InputSpec, needed: list[str]) -> None:
 
 def _check_id_dtype(path: str, column: str, dtype) -> None:
     # Every row of a column of another type would be a bad_id row: refuse the job instead.
+    import polars as pl  # here, not at the top: importing the reader must not need polars
+
     ok = dtype is None or dtype == pl.Null or dtype.is_integer()
     if not ok and not isinstance(dtype, (pl.String, pl.Categorical, pl.Enum)):
         raise JobError(
@@ -213,17 +261,23 @@ class Reader:
 
     def _parquet(self, at: Position) -> Iterator[list[InputRow]]:
         path = self.files[at.file]
+        key, limit = self.spec.id_column, self.spec.max_row_bytes
         size = self._chunk_size()
-        chunks = read_chunks(path, self.spec.id_column, self.columns, size, at.offset)
-        for pieces in chunks:
+        for pieces in read_chunks(path, key, self.columns, size, limit, at.offset):
             rows = []
             for piece in pieces:
                 for i in range(piece.num_rows):
                     source = f"{path}:row {piece.start + i}"
-                    if piece.records is not None:
-                        row = self._make_row(piece.records[i], source)
-                    else:
+                    if piece.records is None:
                         row = self._undecodable(piece, i, source)
+                    elif i in piece.too_large:
+                        row_id = id_text(piece.records[i].get(key))
+                        what = f"its text columns hold {piece.too_large[i]:,} bytes"
+                        row = self._bad(
+                            source, "row_too_large", too_large(what, limit), row_id or None
+                        )
+                    else:
+                        row = self._make_row(piece.records[i], source)
                     row.pos = Position(at.file, piece.start + i, 0)
                     rows.append(row)
             yield rows
@@ -237,16 +291,12 @@ class Reader:
     def _jsonl(self, at: Position, fmt: str) -> Iterator[list[InputRow]]:
         path = self.files[at.file]
         rows: list[InputRow] = []
-        offset = at.offset
+        limit = self.spec.max_row_bytes
         with open(path, "rb") as f:
-            f.seek(offset)
-            for lineno, raw in enumerate(f, start=at.line):
-                start, offset = offset, offset + len(raw)
-                if start == 0:
-                    raw = raw.removeprefix(BOM)
-                if not raw.strip():
+            for lineno, start, raw, size in lines_from(f, limit, at.offset, at.line):
+                if raw is not None and not raw.strip():
                     continue
-                row = self._parse_line(raw, f"{path}:{lineno}", fmt)
+                row = self._parse_line(raw, size, f"{path}:{lineno}", fmt)
                 row.pos = Position(at.file, start, lineno)
                 rows.append(row)
                 if len(rows) >= self._chunk_size():
@@ -261,8 +311,9 @@ class Reader:
             return self.chunk_rows
         return max(1, min(self.chunk_rows, self.stop_index - self._next_index))
 
-    def _parse_line(self, raw: bytes, source: str, fmt: str) -> InputRow:
-        row_id, data, code, message = parse_line(raw, fmt, self.spec.id_column, self.columns)
+    def _parse_line(self, raw: bytes | None, size: int, source: str, fmt: str) -> InputRow:
+        key, limit = self.spec.id_column, self.spec.max_row_bytes
+        row_id, data, code, message = parse_line(raw, fmt, key, self.columns, size, limit)
         if code is not None:
             return self._bad(source, code, str(message), row_id=row_id)
         return self._new_row(id=row_id, data=data, source=source)
@@ -283,10 +334,25 @@ class Reader:
 Fields = tuple[str | None, dict[str, Any] | None, str | None, str | None]
 
 
-def parse_line(raw: bytes, fmt: str, id_column: str, columns: list[str]) -> Fields:
-    """One non-blank JSONL (or OpenAI batch) line: its id and the `columns` it holds, or the
-    error it is. The one definition of a line's verdict: the Reader and the shard plan's scan
-    both use it, so a plan and a run agree on every row."""
+def too_large(what: str, limit: int) -> str:
+    """The message of a row_too_large record."""
+    return f"{what}, over input.max_row_bytes={limit:,}; shorten the row or raise the limit"
+
+
+def parse_line(
+    raw: bytes | None,
+    fmt: str,
+    id_column: str,
+    columns: list[str],
+    size: int = 0,
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+) -> Fields:
+    """One non-blank JSONL (or OpenAI batch) line as lines_from gives it: its id and the
+    `columns` it holds, or the error it is (None: the line is `size` bytes, over
+    `max_row_bytes`: row_too_large). The one definition of a line's verdict: the Reader and
+    the shard plan's scan both use it, so a plan and a run agree on every row."""
+    if raw is None:
+        return None, None, "row_too_large", too_large(f"line is {size:,} bytes", max_row_bytes)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

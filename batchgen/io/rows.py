@@ -46,6 +46,9 @@ class ResultRow:
     num_output_tokens: int | list[int] = 0
     num_cached_tokens: int = 0
     chat: bool = False  # the prompt was a chat conversation (OpenAI-batch output style)
+    # OpenAI-batch output only: each sample's `choices[i].logprobs` object (a list for n > 1),
+    # when the request asked for log-probs.
+    logprobs: Any = None
 
     @classmethod
     def failed(cls, row: InputRow, code: str, message: str, passthrough=None, num_prompt_tokens=0):

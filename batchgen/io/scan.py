@@ -26,8 +26,7 @@ import numpy as np
 
 from batchgen.io.arrow_types import MIXED, ColumnTypes, describe, merge
 from batchgen.io.dup_ids import DuplicateFinder
-from batchgen.io.json_line import BOM
-from batchgen.io.readers import parse_line
+from batchgen.io.readers import lines_from, parse_line
 from batchgen.io.rows import InputRow, Position
 from batchgen.io.shard_plan import ShardPlan
 
@@ -74,7 +73,7 @@ def scan(
                     types.add_type(c, found[c], path)
     if lines is not None and "parquet" not in formats:
         ranges = split_ranges(files, RANGE_BYTES if workers > 1 else 1 << 62)
-        task = _LineScan(files, formats, lines.id_column, passthrough, shard_rows)
+        task = _LineScan(files, formats, lines, passthrough, shard_rows)
         part = _scan_parallel(task, ranges, workers, stopped)
     else:
         chunks = read(None, 0, None)
@@ -186,48 +185,38 @@ def split_ranges(files: list[str], size: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _count_range(path: str, start: int, stop: int) -> tuple[int, int]:
-    """(rows, newlines) in a byte range of a JSONL file: rows are its non-blank lines, as the
-    reader counts them (a BOM at the file's start is no content)."""
-    rows = newlines = 0
-    tail = b""
+def _count_range(path: str, start: int, stop: int, limit: int) -> tuple[int, int]:
+    """(rows, lines) in a byte range of a JSONL file cut at line ends: rows are its non-blank
+    lines and its lines over `limit` bytes, as the reader counts them (through the reader's
+    own line splitting, so a BOM or a long line is judged alike)."""
+    rows = lines = 0
     with open(path, "rb") as f:
-        f.seek(start)
-        pos = start
-        while pos < stop:
-            block = f.read(min(stop - pos, 8 << 20))
-            if not block:
-                break
-            if pos == 0:
-                block = block.removeprefix(BOM)  # the file's start: no content
-            pos = f.tell()
-            lines = (tail + block).split(b"\n")
-            tail = lines.pop()  # the part after the last newline: continued by the next block
-            newlines += len(lines)
-            rows += sum(1 for line in lines if line.strip())
-    if tail.strip():
-        rows += 1
-    return rows, newlines
+        for _, _, raw, _ in lines_from(f, limit, start, stop=stop):
+            lines += 1
+            rows += raw is None or bool(raw.strip())
+    return rows, lines
 
 
 @dataclass(frozen=True)
 class LineSpec:
-    """How the lean path reads a line's id (the format comes with each file)."""
+    """How the lean path reads a line (the format comes with each file): its id column and
+    the size over which it is a row_too_large record."""
 
     id_column: str
+    max_row_bytes: int
 
 
 @dataclass(frozen=True)
 class _LineScan:
     files: list[str]
     formats: list[str]
-    id_column: str
+    lines: LineSpec
     passthrough: list[str]
     shard_rows: int
 
     def count(self, where: tuple[int, int, int]) -> tuple[int, int]:
         i, start, stop = where
-        return _count_range(self.files[i], start, stop)
+        return _count_range(self.files[i], start, stop, self.lines.max_row_bytes)
 
     def scan(self, job: tuple[tuple[int, int, int], int, int], stopped=None) -> _Part:
         """The units of byte range `where`, the first being unit `index` on line `line`
@@ -248,29 +237,23 @@ class _LineScan:
                 vals.clear()
             ids.clear()
 
+        key, limit = self.lines.id_column, self.lines.max_row_bytes
         with open(path, "rb") as f:
-            f.seek(start)
-            offset = start
-            for raw in f:
-                if offset >= stop:
-                    break
-                at, offset = offset, offset + len(raw)
-                if at == 0:
-                    raw = raw.removeprefix(BOM)
-                if raw.strip():
-                    if index % self.shard_rows == 0:
-                        part.starts.append(Position(i, at, line))
-                    row_id, data, code, _ = parse_line(raw, fmt, self.id_column, self.passthrough)
-                    ids.append(row_id if code is None else None)
-                    if data is not None:
-                        for c in self.passthrough:
-                            values[c].append(data.get(c))
-                    index += 1
-                    if len(ids) >= 4096:
-                        flush()
-                        if stopped is not None and stopped():
-                            raise ScanStopped
-                line += 1
+            for lineno, at, raw, size in lines_from(f, limit, start, line, stop):
+                if raw is not None and not raw.strip():
+                    continue  # a blank line: no unit
+                if index % self.shard_rows == 0:
+                    part.starts.append(Position(i, at, lineno))
+                row_id, data, code, _ = parse_line(raw, fmt, key, self.passthrough, size, limit)
+                ids.append(row_id if code is None else None)
+                if data is not None:
+                    for c in self.passthrough:
+                        values[c].append(data.get(c))
+                index += 1
+                if len(ids) >= 4096:
+                    flush()
+                    if stopped is not None and stopped():
+                        raise ScanStopped
         flush()
         part.num_units = finder.num_units
         part.hashes = finder.blocks()

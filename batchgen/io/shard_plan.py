@@ -113,7 +113,8 @@ def write_plan(out_dir: str, plan: ShardPlan) -> None:
 def read_plan(out_dir: str, key: str | None = None) -> ShardPlan | None:
     """The plan in out_dir (None if absent, unreadable, or made for another key)."""
     try:
-        with open(os.path.join(out_dir, PLAN_FILE), encoding="utf-8") as f:
+        fd = os.open(os.path.join(out_dir, PLAN_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+        with open(fd, encoding="utf-8") as f:  # a planted symlink is not followed
             obj = json.load(f)
         if obj.get("version") != PLAN_VERSION or (key is not None and obj.get("key") != key):
             return None

@@ -13,9 +13,8 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -24,6 +23,12 @@ from batchgen.io.arrow_types import MIXED, column_array
 from batchgen.io.openai_batch import output_line
 from batchgen.io.rows import ResultRow
 from batchgen.io.score_rows import ScoreRow
+
+if TYPE_CHECKING:
+    import polars as pl
+
+# polars is imported in the functions that build frames: importing the writer (the runner, the
+# CLI) must not need it.
 
 # The output's format version, part of the job fingerprint: a directory written by another
 # version (2: passthrough types fixed by the shard plan, partial pieces) is never resumed.
@@ -65,6 +70,8 @@ def _passthrough(rows: list, name: str, t: Any) -> pa.Array:
 
 def to_frame(rows: list[ResultRow], layout: ShardLayout) -> pl.DataFrame:
     """Result rows as a DataFrame with the contract columns but the passthrough ones."""
+    import polars as pl
+
     if layout.mode == "score":
         return score_frame(rows, layout)  # type: ignore[arg-type]
     str_t = pl.List(pl.String) if layout.multi else pl.String
@@ -91,6 +98,7 @@ def to_frame(rows: list[ResultRow], layout: ShardLayout) -> pl.DataFrame:
 
 def score_frame(rows: list[ScoreRow], layout: ShardLayout) -> pl.DataFrame:
     """Score rows as a DataFrame: one row per candidate, passthrough columns aside."""
+    import polars as pl
 
     def col(name: str, dtype: Any) -> pl.Series:
         return pl.Series(name, [getattr(r, name) for r in rows], dtype=dtype)
@@ -181,11 +189,21 @@ def write_temp(final: str, batch: Batch, layout: ShardLayout, meta: dict, units:
             table = table.replace_schema_metadata({META_KEY: json.dumps(meta, sort_keys=True)})
             codec = "none" if layout.compression == "none" else layout.compression
             pq.write_table(table, tmp, compression=codec)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise atomic.named(_plain(e), final) from e
         raise
     return tmp
+
+
+def _plain(e: OSError) -> OSError:
+    """An OSError in its errno's own words: pyarrow's wraps them ("Error writing bytes to
+    file. Detail: [errno 28] No space left on device") and names no file."""
+    if e.filename is None and e.errno:
+        return OSError(e.errno, os.strerror(e.errno))  # the errno's subclass, e.g. ENOSPC
+    return e
 
 
 def read_batch(path: str, layout: ShardLayout) -> Batch:

@@ -18,6 +18,7 @@ from batchgen.job.placeholders import placeholders
 from batchgen.job.score import score_spec
 from batchgen.job.spec import (
     COMPRESSIONS,
+    DEFAULT_MAX_ROW_BYTES,
     INPUT_FORMATS,
     MODES,
     OUTPUT_FORMATS,
@@ -137,17 +138,24 @@ def validate_job(raw: dict, source: str = "<job>") -> JobSpec:
 
 def _model_spec(raw: dict) -> ModelSpec:
     engine_fields = {f.name: f.type for f in fields(EngineConfig)}
-    known = ["path", "dtype"] + [n for n in EngineConfig.option_names() if n not in ("model",)]
+    known = ["path", "dtype", "revision"]
+    known += [n for n in EngineConfig.option_names() if n != "model"]
     known = list(dict.fromkeys(known))
     sec = section(raw, "model", known)
     path = get(sec, "model", "path", "str")
     dtype = get(sec, "model", "dtype", "str", "auto")
+    revision = get(sec, "model", "revision", "str", None)
+    if revision is not None and not revision.strip():
+        raise JobError(
+            "model.revision: must not be empty (a branch, tag or commit of the hub repo)"
+        )
     options = {}
     for key, value in sec.items():
-        if key in ("path", "dtype"):
+        if key in ("path", "dtype", "revision"):
             continue
         options[key] = check_type(f"model.{key}", value, str(engine_fields[key]))
-    spec = ModelSpec(check_path("model.path", path), dtype, tuple(sorted(options.items())))
+    path = check_path("model.path", path)
+    spec = ModelSpec(path, dtype, tuple(sorted(options.items())), revision)
     try:
         spec.engine_config()
     except ConfigError as e:
@@ -156,17 +164,20 @@ def _model_spec(raw: dict) -> ModelSpec:
 
 
 def _input_spec(raw: dict) -> InputSpec:
-    sec = section(raw, "input", ["path", "format", "id_column", "columns"])
+    sec = section(raw, "input", ["path", "format", "id_column", "columns", "max_row_bytes"])
     path = check_path("input.path", get(sec, "input", "path", "str"))
     fmt = get(sec, "input", "format", "str", "auto", INPUT_FORMATS)
     id_column = get(sec, "input", "id_column", "str", "id")
+    max_row_bytes = get(sec, "input", "max_row_bytes", "int", DEFAULT_MAX_ROW_BYTES)
+    if max_row_bytes < 1:
+        raise JobError(f"input.max_row_bytes: {max_row_bytes} must be >= 1")
     columns = sec.get("columns") or []
     if isinstance(columns, str) or not isinstance(columns, list):
         raise JobError(f"input.columns: expected a list of column names, got {short_repr(columns)}")
     for i, c in enumerate(columns):
         if not isinstance(c, str) or not c:
             raise JobError(f"input.columns[{i}]: expected a column name, got {short_repr(c)}")
-    return InputSpec(path, fmt, id_column, tuple(columns))
+    return InputSpec(path, fmt, id_column, tuple(columns), max_row_bytes)
 
 
 def _prompt_spec(raw: dict, inp: InputSpec) -> PromptSpec:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,12 +20,25 @@ class JobError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    path: str
+    path: str  # a model directory, or a hub repo id until the pipeline resolves it
     dtype: str = "auto"
     options: tuple[tuple[str, Any], ...] = ()  # engine options beyond path/dtype, sorted
+    revision: str | None = None  # of a hub repo id
+    hub_id: str | None = None  # the repo id `path` was resolved from (path is then its snapshot)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.path, dtype=self.dtype, **dict(self.options))
+
+    @property
+    def name(self) -> str:
+        """The model's name in outputs: the hub id, else the directory's own name."""
+        return self.hub_id or os.path.basename(os.path.normpath(self.path))
+
+
+# A row larger than this becomes a row_too_large error record before it is parsed or
+# tokenized: tokenizing costs about 170 bytes of memory per character, so a 4 MiB row peaks
+# near 0.7 GB, and a 100 MB row would take the run down.
+DEFAULT_MAX_ROW_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -33,6 +47,8 @@ class InputSpec:
     format: str = "auto"
     id_column: str = "id"
     columns: tuple[str, ...] = ()  # passed through to the output unchanged
+    # JSONL: the line's length; Parquet: the bytes of the text columns the job reads.
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES
 
 
 @dataclass(frozen=True)

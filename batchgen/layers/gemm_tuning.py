@@ -4,7 +4,7 @@ batchgen.layers.linear and remembered in a cache file.
 
 Why: cuBLAS picks one kernel per shape from a heuristic, and on the H100 that pick is off at
 many of the row counts a decode step runs (llama3.1-8b's down projection at 192 rows: 76.8 us
-against 50.8 for another of cuBLASLt's kernels; `lt_algo_probe.py`, RESULTS.md twelfth session).
+against 50.8 for another of cuBLASLt's kernels; measured 2026-11-23 at 720e072).
 
 How: the runner calls tune_projections before it captures the CUDA graphs, with the graphs' row
 counts. Candidates: the algorithms cuBLASLt's heuristic lists for the shape (at most 8), those
@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.bench.timing import graph_median_us
+from batchgen.cache_dir import user_cache_dir
 from batchgen.io.atomic import write_bytes
 from batchgen.layers import linear
 
@@ -45,7 +46,7 @@ TUNE_CANDIDATES = 8
 TUNE_WIDEN = 1
 # Then time the TUNE_REFINE fastest again with each of these thread-block cluster shapes
 # (cublasLtClusterShape_t: 1x1, 2x1, 4x1, 1x2, 2x2, 1x4): the heuristic's cluster is often not
-# the fastest (llama3.1-8b down at 192 rows: 44.2 us against 50.9; `lt_algo_probe.py`).
+# the fastest (llama3.1-8b down at 192 rows: 44.2 us against 50.9; 2026-11-23, 720e072).
 TUNE_REFINE = 3
 TUNE_CLUSTERS = (2, 3, 4, 5, 6, 8)
 # From this many rows up (the mixed steps: a decode bucket plus the prompt chunk), also search
@@ -53,7 +54,7 @@ TUNE_CLUSTERS = (2, 3, 4, 5, 6, 8)
 # heuristic names a handful): each base's every tile, then its TUNE_TILE_TOP fastest with every
 # custom option and cluster shape. The bases are the fastest candidate so far, the heuristic's
 # first and its first with split-K. llama3.1-8b's down at 256 rows: 49.0 us against 56.2
-# (`lt_tile_search.py`, RESULTS.md thirteenth session). 0 turns the search off.
+# (2026-11-23, 0ff3c56; examples/benchmarks/RESULTS.md). 0 turns the search off.
 TUNE_TILES_MIN_ROWS = 129
 TUNE_TILE_TOP = 4
 # Candidates are screened on the first layers' weights, at least SCREEN_BYTES of them (past
@@ -85,11 +86,7 @@ class TuneReport:
 
 
 def cache_path() -> str:
-    root = os.environ.get("BATCHGEN_CACHE_DIR")
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(xdg, "batchgen")
-    return os.path.join(root, CACHE_NAME)
+    return os.path.join(user_cache_dir(), CACHE_NAME)
 
 
 def _load_cache(path: str) -> None:
@@ -118,7 +115,17 @@ def _valid_record(record) -> bool:
 
 
 def _save_cache(path: str) -> None:
-    data = {"version": CACHE_VERSION, "results": _results}
+    # Records another process wrote since this one read the file (tensor-parallel ranks tune
+    # at once: the other ranks' shapes, e.g. o / down without accumulation) are kept.
+    on_disk: dict[str, dict] = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if data.get("version") == CACHE_VERSION and isinstance(data.get("results"), dict):
+            on_disk = {k: v for k, v in data["results"].items() if _valid_record(v)}
+    except (OSError, ValueError, AttributeError):
+        pass
+    data = {"version": CACHE_VERSION, "results": {**on_disk, **_results}}
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_bytes(path, json.dumps(data, indent=0, sort_keys=True).encode())

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.models.errors import ModelLoadError
+from batchgen.models.moe_config import MoeConfig, moe_config
 from batchgen.models.registry import supported_architectures
+from batchgen.short_repr import short_repr
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class ModelConfig:
     torch_dtype: str | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default=())
+    moe: MoeConfig | None = None  # routed experts (Qwen3-MoE, Mixtral); None for dense models
 
     @classmethod
     def from_dir(cls, path: str) -> ModelConfig:
@@ -47,11 +51,7 @@ class ModelConfig:
                 f"{config_path}: missing config.json — a model directory needs config.json, "
                 "model.safetensors (or shards + index) and tokenizer.json"
             )
-        try:
-            with open(config_path, encoding="utf-8") as f:
-                raw = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelLoadError(f"{config_path}: not valid JSON ({e})") from e
+        raw = read_json_object(config_path)
         generation = _read_optional_json(os.path.join(path, "generation_config.json"))
         return cls.from_dict(raw, source=config_path, generation=generation)
 
@@ -59,67 +59,150 @@ class ModelConfig:
     def from_dict(
         cls, raw: dict[str, Any], source: str = "config.json", generation: dict | None = None
     ) -> ModelConfig:
+        """Normalize a config mapping; every value is checked for type and sane bounds (SIZE_
+        BOUNDS) before anything is sized from it. Raises ModelLoadError naming source and key."""
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{source}: must be a JSON object, got {type(raw).__name__}")
         archs = raw.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in supported_architectures():
+        arch = archs[0] if isinstance(archs, list) and archs else None
+        if not isinstance(arch, str) or arch not in supported_architectures():
             raise ModelLoadError(
                 f"{source}: architecture {arch!r} is not supported; supported: "
                 + ", ".join(supported_architectures())
             )
+        try:
+            return cls._from_checked(raw, source, generation, arch)
+        except (TypeError, ValueError, ArithmeticError, AttributeError) as e:
+            if isinstance(e, ModelLoadError):
+                raise
+            # A value of a shape no check above foresaw: still the file's fault, named.
+            raise ModelLoadError(f"{source}: unusable value ({type(e).__name__}: {e})") from None
 
-        def need(key: str) -> Any:
-            if key not in raw:
-                raise ModelLoadError(f"{source}: missing required key {key!r} for {arch}")
-            return raw[key]
+    @classmethod
+    def _from_checked(
+        cls, raw: dict[str, Any], source: str, generation: dict | None, arch: str
+    ) -> ModelConfig:
+        def size(key: str, default: int | None = None) -> int:
+            return _bounded_int(raw, key, source, arch, default)
 
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        head_dim = raw.get("head_dim") or hidden // heads
+        hidden = size("hidden_size")
+        heads = size("num_attention_heads")
+        kv_heads = size("num_key_value_heads", heads) if raw.get("num_key_value_heads") else heads
+        if raw.get("head_dim"):
+            head_dim = size("head_dim")
+        elif hidden % heads:
+            raise ModelLoadError(
+                f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads="
+                f"{heads}, and no head_dim is given"
+            )
+        else:
+            head_dim = hidden // heads
+        if heads % kv_heads:
+            raise ModelLoadError(
+                f"{source}: num_attention_heads={heads} is not a multiple of "
+                f"num_key_value_heads={kv_heads}"
+            )
+        if head_dim % 2:
+            raise ModelLoadError(f"{source}: head_dim={head_dim} must be even (rotary embedding)")
+        max_pos = size("max_position_embeddings", 2048)
         rope_theta, rope_scaling = _rope(raw, source)
-        if arch == "MistralForCausalLM" or (
-            arch == "Qwen2ForCausalLM" and raw.get("use_sliding_window")
+        windowed = ("MistralForCausalLM", "MixtralForCausalLM")
+        if arch in windowed or (
+            arch in ("Qwen2ForCausalLM", "Qwen3MoeForCausalLM") and raw.get("use_sliding_window")
         ):
             window = raw.get("sliding_window")
-            max_pos = int(raw.get("max_position_embeddings", 0))
-            if window is not None and (arch != "MistralForCausalLM" or int(window) < max_pos):
+            if window is not None and (arch not in windowed or int(window) < max_pos):
                 raise ModelLoadError(
                     f"{source}: sliding_window={window} attention is not supported yet; "
                     "use a checkpoint whose config has sliding_window null"
                 )
         attention_bias = bool(raw.get("attention_bias", False))
         eos = _eos_ids(raw, generation)
+        eps = float(raw.get("rms_norm_eps", 1e-6))
+        if not 0 < eps < 1:
+            raise ModelLoadError(f"{source}: rms_norm_eps={eps!r} must be in (0, 1)")
         return cls(
             architecture=arch,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=size("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_hidden_layers=int(need("num_hidden_layers")),
+            intermediate_size=size("intermediate_size"),
+            num_hidden_layers=size("num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=eps,
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
-            o_bias=attention_bias if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") else False,
+            o_bias=attention_bias if arch in _O_BIAS else False,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos,
+            moe=moe_config(raw, arch, size("num_hidden_layers"), source, size),
         )
 
 
-def _read_optional_json(path: str) -> dict | None:
-    if not os.path.isfile(path):
-        return None
+# Architectures whose attention_bias also puts a bias on o_proj.
+_O_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+# The largest value each size may take: far past every published model (vocabularies reach
+# 262k, hidden sizes 16k, contexts 10M), near enough that no config sizes an allocation no
+# host could make. A value past its bound is refused before anything is allocated from it.
+SIZE_BOUNDS = {
+    "vocab_size": 1 << 24,
+    "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 20,
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 1024,
+    "max_position_embeddings": 1 << 25,
+    # Mixtures of experts (moe_config.py); Qwen3-235B-A22B has 128 experts, DeepSeek-V3 256.
+    "num_experts": 1 << 14,
+    "num_local_experts": 1 << 14,
+    "num_experts_per_tok": 1 << 10,
+    "moe_intermediate_size": 1 << 20,
+    "decoder_sparse_step": 1024,
+}
+
+
+def _bounded_int(raw: dict[str, Any], key: str, source: str, arch: str, default=None) -> int:
+    """raw[key] as an int in [1, SIZE_BOUNDS[key]]; ModelLoadError naming source and key."""
+    if key not in raw or raw[key] is None:
+        if default is None:
+            raise ModelLoadError(f"{source}: missing required key {key!r} for {arch}")
+        return default
+    value = raw[key]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    top = SIZE_BOUNDS[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+        raise ModelLoadError(
+            f"{source}: {key}={short_repr(value)} must be an integer from 1 to {top:,}; the "
+            "file is damaged or not this model's config"
+        )
+    return value
+
+
+def read_json_object(path: str) -> dict[str, Any]:
+    """A model file that must hold one JSON object; ModelLoadError naming it otherwise."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            obj = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ModelLoadError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(obj, dict):
+        raise ModelLoadError(f"{path}: must be a JSON object, got a {type(obj).__name__}")
+    return obj
+
+
+def _read_optional_json(path: str) -> dict | None:
+    return read_json_object(path) if os.path.isfile(path) else None
 
 
 def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
@@ -131,6 +214,8 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
     else:
         theta = float(raw.get("rope_theta", 10000.0))
         scaling = dict(raw["rope_scaling"]) if raw.get("rope_scaling") else {}
+    if not 0 < theta < math.inf:
+        raise ModelLoadError(f"{source}: rope_theta={theta!r} must be a finite number > 0")
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
     if rope_type == "default":

@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
-import json
+import functools
 import os
+import re
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from batchgen.models.config import read_json_object
 from batchgen.models.errors import ModelLoadError
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the character a BPE vocabulary writes for each
+    byte -> that byte (printable bytes stand for themselves, the rest are shifted past 255)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table, shift = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + shift)] = b
+            shift += 1
+    return table
 
 
 def _token_content(value: object) -> str | None:
@@ -62,11 +81,7 @@ class Tokenizer:
         config: dict = {}
         config_path = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(config_path):
-            try:
-                with open(config_path, encoding="utf-8") as f:
-                    config = json.load(f)
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ModelLoadError(f"{config_path}: not valid JSON ({e})") from e
+            config = read_json_object(config_path)
         jinja_path = os.path.join(path, "chat_template.jinja")
         if "chat_template" not in config and os.path.isfile(jinja_path):
             with open(jinja_path, encoding="utf-8") as f:
@@ -88,3 +103,22 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a token may hold part of a UTF-8 character).
+
+        Byte-level BPE vocabularies (GPT-2, Llama 3, Qwen) map through their byte alphabet;
+        SentencePiece ones write `<0xNN>` byte tokens and `▁` for a space; added tokens are their
+        own text.
+        """
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if type(self._tok.decoder).__name__ == "ByteLevel":
+            table = _byte_level_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        match = _BYTE_TOKEN.fullmatch(piece)
+        if match:
+            return bytes([int(match.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")

@@ -64,6 +64,7 @@ def plan_settings(job: JobSpec, mode, input_fingerprint: str) -> dict:
         "units": mode.unit_kind(),
         "shard_rows": job.output.shard_rows,
         "passthrough": list(job.input.columns),
+        "max_row_bytes": job.input.max_row_bytes,  # which rows are row_too_large records
     }
 
 
@@ -107,6 +108,7 @@ def ensure_plan(
         if plan is not None:
             return plan
 
+        lines = LineSpec(job.input.id_column, job.input.max_row_bytes)
         try:
             plan = scan(
                 UnitReader(job, files, columns),
@@ -119,7 +121,7 @@ def ensure_plan(
                 settings,
                 log,
                 workers=workers,
-                lines=LineSpec(job.input.id_column) if mode.unit_kind() == "rows" else None,
+                lines=lines if mode.unit_kind() == "rows" else None,
                 stopped=stop.is_set,
             )
         except ScanStopped:

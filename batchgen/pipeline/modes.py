@@ -25,6 +25,7 @@ class GenerateMode:
 
     def __init__(self, job: JobSpec):
         self.job = job
+        self._token_bytes = None  # OpenAI-batch output: the tokenizer's, for log-probs
 
     def columns(self, files: list[str], formats: list[str]) -> list[str]:
         """The input columns the job reads; raises JobError if the input lacks them."""
@@ -51,6 +52,8 @@ class GenerateMode:
 
     def planner(self, renderer: PromptRenderer, tokenizer, limits: ModelLimits) -> Planner:
         job = self.job
+        if job.output.format == "openai-batch":
+            self._token_bytes = getattr(tokenizer, "token_bytes", None)
         multi = job.sampling.base_params().get("n", 1) > 1 or job.output.format == "openai-batch"
         return Planner(
             renderer,
@@ -66,7 +69,7 @@ class GenerateMode:
         engine.add_request(request_id, req.prompt_token_ids, req.params)
 
     def results(self, req: Request, out: RequestOutput) -> list[ResultRow]:
-        return [to_result(req, out)]
+        return [to_result(req, out, self._token_bytes)]
 
     def fingerprint_parts(self, parts: dict[str, str]) -> dict[str, str]:
         return parts

@@ -23,6 +23,8 @@ def make_plan(job: JobSpec, overwrite: bool, stop: StopFlag, log: Callable) -> l
     except Stopped:
         return [f"interrupted by {stop.signal_name}; run the same command again (exit 75)"]
     finally:
+        if runner.renderer is not None:
+            runner.renderer.close()  # ends the chat-template worker
         if runner.keeper is not None:
             runner.keeper.close()
             locks.tidy(job.output.path)

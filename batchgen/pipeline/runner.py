@@ -20,6 +20,7 @@ from batchgen.pipeline import engine_factory as factory
 from batchgen.pipeline.fingerprint import fingerprint, fingerprint_parts
 from batchgen.pipeline.job_limits import check_job_limits
 from batchgen.pipeline.job_plan import Stopped, default_workers, ensure_plan
+from batchgen.pipeline.model_source import resolve_job_model
 from batchgen.pipeline.modes import mode_for
 from batchgen.pipeline.progress import Progress
 from batchgen.pipeline.shard_commit import ShardCommitter
@@ -27,7 +28,7 @@ from batchgen.pipeline.shard_loop import ShardLoop
 from batchgen.pipeline.sharding import ShardSelector
 from batchgen.pipeline.signals import EX_TEMPFAIL, GracefulStop, StopFlag
 from batchgen.pipeline.stats import RunStats, job_totals, summary_lines, write_stats
-from batchgen.plan.prompts import PromptError, PromptRenderer
+from batchgen.plan.prompts import PromptError, PromptRenderer, RenderStopped, TemplateLimits
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Runner:
         plan_workers: processes that scan the input if this run makes the shard plan
             (default: the CPUs it may use, at most 16).
         log: where messages go (default stderr).
+        template_limits: hard limits on each chat-template render (default TemplateLimits()).
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class Runner:
         holder: str = "",
         plan_workers: int | None = None,
         log: Callable[[str], None] | None = None,
+        template_limits: TemplateLimits | None = None,
     ):
         self.job = job
         self.mode = mode_for(job)  # what differs between generate and score
@@ -99,11 +102,13 @@ class Runner:
         self.chunk_rows = chunk_rows
         self.lease_s = lease_s
         self.task = f"{self.shard}{' ' + holder if holder else ''}"
+        self.template_limits = template_limits
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.out_dir = job.output.path
         self.plan_workers = plan_workers
         self.engine = None
         self.keeper: locks.LeaseKeeper | None = None
+        self.renderer: PromptRenderer | None = None
 
     # ----------------------------------------------------------------------------- preparation
 
@@ -111,9 +116,7 @@ class Runner:
         """Every check that needs no model weights (JobError if one fails), then claim the
         output directory, read or make the shard plan and find what is committed. Raises
         Stopped if a stop signal comes first."""
-        job = self.job
-        if not os.path.isdir(job.model.path):
-            raise JobError(f"model.path: {job.model.path!r} is not a directory (a HF model dir)")
+        job = self.job = resolve_job_model(self.job)  # a hub id: its snapshot directory
         self.files = resolve_inputs(job.input.path)
         self.formats = [file_format(f, job.input.format) for f in self.files]
         self.columns = self.mode.columns(self.files, self.formats)
@@ -122,12 +125,22 @@ class Runner:
             # config.json: architecture, lengths, vocabulary (JobError if bad), and the job's
             # own settings against them, before the weights load.
             check_job_limits(job, factory.model_limits(job))
-        self.renderer = PromptRenderer(job.prompt, tok.chat_template, tok.bos_token, tok.eos_token)
+        # Chat templates render in a worker process that a stop signal kills at once.
+        self.renderer = PromptRenderer(
+            job.prompt,
+            tok.chat_template,
+            tok.bos_token,
+            tok.eos_token,
+            limits=self.template_limits,
+            should_stop=self.stop.is_set,
+        )
         try:
             self.renderer.check(needs_chat=job.prompt.chat is not None)
         except PromptError as e:
             raise JobError(f"prompt: {e}") from None
-        parts = self.mode.fingerprint_parts(fingerprint_parts(job, self.files))
+        except RenderStopped:
+            pass  # the stop flag ends the run before any row is read
+        parts = self.mode.fingerprint_parts(fingerprint_parts(job, self.files, self.log))
         self.parts = {**parts, "output.version": str(OUTPUT_VERSION)}
         self.fingerprint = fingerprint(self.parts)
         self._check_output_apart()
@@ -156,9 +169,7 @@ class Runner:
             manifest.write_job(self.out_dir, self._job_record(self.plan))
         for note in self.plan.notes:
             self.log(note)
-        self.layout = self.mode.layout(
-            tuple(self.plan.columns.items()), os.path.basename(job.model.path)
-        )
+        self.layout = self.mode.layout(tuple(self.plan.columns.items()), job.model.name)
         self.committer = ShardCommitter(
             self.out_dir, self.layout, self.fingerprint, self.mode, self.log
         )
@@ -166,13 +177,16 @@ class Runner:
         self.committed = manifest.committed_shards(self.out_dir, self.fingerprint, self.shard.owns)
 
     def _check_output_apart(self) -> None:
-        """The output directory (and its _manifest/) must hold no input file: shards, temps and
-        --overwrite would replace or delete it."""
+        """The output directory (and its _manifest/, _partial/) must hold no input file:
+        shards, temps and --overwrite would replace or delete it."""
         out = self.out_dir
         if os.path.exists(out) and not os.path.isdir(out):
             raise JobError(f"output.path: {out!r} exists and is not a directory")
         real_out = os.path.realpath(out)
-        homes = (real_out, os.path.join(real_out, manifest.MANIFEST_DIR))
+        homes = (
+            real_out,
+            *(os.path.join(real_out, d) for d in (manifest.MANIFEST_DIR, pieces.PARTIAL_DIR)),
+        )
         for f in self.files:
             if os.path.dirname(os.path.realpath(f)) in homes:
                 raise JobError(
@@ -296,6 +310,8 @@ class Runner:
                     self.progress.close()
                 return self._finish(finished, start)
             finally:
+                if self.renderer is not None:
+                    self.renderer.close()  # ends the chat-template worker
                 if self.keeper is not None:
                     self.keeper.close()
                     locks.tidy(self.out_dir, self.lease_s)

@@ -7,8 +7,6 @@ import json
 from dataclasses import asdict, replace
 from typing import Any
 
-import polars as pl
-
 from batchgen.engine.request_checks import ModelLimits
 from batchgen.io.readers import Reader, _sample_objects, check_columns
 from batchgen.io.score_reader import GroupReader
@@ -116,6 +114,8 @@ def _check_score_columns(path: str, fmt: str, spec: ScoreSpec) -> None:
         if spec.grouped
         else [("candidates_column", spec.candidates_column)]
     )
+    import polars as pl  # here, not at the top: importing the runner must not need polars
+
     if fmt == "parquet":
         try:
             schema = pl.read_parquet_schema(path)

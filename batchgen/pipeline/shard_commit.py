@@ -146,7 +146,8 @@ def _jsonl_totals(path: str) -> dict | None:
     totals = {"rows": 0, "ok": 0, "errors": 0, "num_prompt_tokens": 0, "num_cached_tokens": 0}
     totals["num_generated_tokens"] = 0
     try:
-        with open(path, encoding="utf-8") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a planted symlink is not followed
+        with open(fd, encoding="utf-8") as f:
             for line in f:
                 rec = json.loads(line)
                 totals["rows"] += 1

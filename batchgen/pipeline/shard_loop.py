@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from batchgen.io import locks, pieces
 from batchgen.io.pieces import Piece
 from batchgen.plan.planner import Request
+from batchgen.plan.prompts import RenderStopped
 
 BLOCKED_POLL_S = 0.5  # how often a shard held by another live process is looked at again
 
@@ -135,7 +136,13 @@ class ShardLoop:
         shard = self.open[k] = OpenShard(k, got, units, taken)
         if done:
             r.log(f"shard {k}: {len(done)} row(s) already committed in piece(s), {len(rows)} to go")
-        plan = r.planner().plan(rows) if rows else None
+        try:
+            plan = r.planner().plan(rows) if rows else None
+        except RenderStopped:  # a stop killed the chat template mid-shard: the shard is owed
+            del self.open[k]
+            r.keeper.release(got)
+            self.todo.appendleft(k)
+            return
         if plan is not None:
             shard.results += plan.errors
             shard.pending = len(plan.requests)

@@ -6,7 +6,10 @@ import signal
 import threading
 import time
 
-EX_TEMPFAIL = 75  # "try again later": schedulers requeue a task that exits with this code
+from batchgen.pipeline.exit_codes import EX_TEMPFAIL
+
+__all__ = ["EX_TEMPFAIL", "STOP_SIGNALS", "GracefulStop", "StopFlag"]
+
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
 

@@ -12,8 +12,9 @@ from batchgen.io.readers import file_format, resolve_inputs
 from batchgen.job import JobError, JobSpec
 from batchgen.pipeline import engine_factory as factory
 from batchgen.pipeline.job_limits import check_job_limits
+from batchgen.pipeline.model_source import resolve_job_model
 from batchgen.pipeline.modes import mode_for
-from batchgen.plan.prompts import PromptError, PromptRenderer
+from batchgen.plan.prompts import PromptError, PromptRenderer, TemplateLimits
 
 
 @dataclass
@@ -55,6 +56,7 @@ def validate(
     tokenizer_factory: Callable[[JobSpec], factory.TokenizerLike] | None = None,
     limits_fn: Callable[[JobSpec], ModelLimits] | None = None,
     max_examples: int = 10,
+    template_limits: TemplateLimits | None = None,
 ) -> ValidateReport:
     """Check the job against its input and model files; raises JobError for a bad job.
 
@@ -62,20 +64,30 @@ def validate(
     (request_checks.py) against config.json's limits: a row counted ok here is one the
     engine accepts, and a failing row has the code and message the run would give it.
     """
+    job = resolve_job_model(job)  # as the run does: a hub id becomes its snapshot directory
     files = resolve_inputs(job.input.path)
     mode = mode_for(job)
     columns = mode.columns(files, [file_format(f, job.input.format) for f in files])
     tok = (tokenizer_factory or factory.build_tokenizer)(job)
-    renderer = PromptRenderer(job.prompt, tok.chat_template, tok.bos_token, tok.eos_token)
-    try:
-        renderer.check(needs_chat=job.prompt.chat is not None)
-    except PromptError as e:
-        raise JobError(f"prompt: {e}") from None
-    limits = (limits_fn or factory.model_limits)(job)
-    check_job_limits(job, limits)
-    planner = mode.planner(renderer, tok, limits)
+    # Chat templates render in a worker process under hard limits (template_process.py).
+    renderer = PromptRenderer(
+        job.prompt, tok.chat_template, tok.bos_token, tok.eos_token, limits=template_limits
+    )
+    with renderer:
+        try:
+            renderer.check(needs_chat=job.prompt.chat is not None)
+        except PromptError as e:
+            raise JobError(f"prompt: {e}") from None
+        limits = (limits_fn or factory.model_limits)(job)
+        check_job_limits(job, limits)
+        planner = mode.planner(renderer, tok, limits)
+        return _check_rows(job, files, mode.reader(files, columns), planner, max_examples)
+
+
+def _check_rows(job: JobSpec, files: list[str], reader, planner, max_examples: int):
+    """Every row through the planner: the report's counts, lengths and first errors."""
     report = ValidateReport(files, score=job.mode == "score")
-    for chunk in mode.reader(files, columns):
+    for chunk in reader:
         plan = planner.plan(chunk)
         report.rows += len(chunk)
         errors = list(plan.errors)

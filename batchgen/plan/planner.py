@@ -16,23 +16,17 @@ from batchgen.io.json_line import loads
 from batchgen.io.readers import OPENAI_KEY
 from batchgen.io.rows import InputRow, ResultRow
 from batchgen.outputs import RequestOutput
-from batchgen.plan.prompts import PromptError, PromptRenderer, RenderedPrompt
+from batchgen.plan.openai_logprobs import TokenBytes, chat_logprobs, completion_logprobs
+from batchgen.plan.openai_request import parse_body
+from batchgen.plan.prompts import Conversation, PromptError, PromptRenderer, RenderedPrompt
 from batchgen.sampling_params import SamplingParams, SamplingParamsError
 
 PREFIX_TOKENS = 32  # rows whose first 32 prompt tokens agree form one prefix group
+# Characters per tokenizer call: tokenizing holds about 170 bytes per character at its peak
+# (encodings with offsets, masks and type ids), so 4 Mi characters peak near 0.7 GB, however
+# many rows a shard has (1,024 rows just under input.max_row_bytes would be 4 GiB at once).
+TOKENIZE_BATCH_CHARS = 4 << 20
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
-# OpenAI body fields that map onto SamplingParams (others, e.g. "model", are ignored).
-_OPENAI_PARAMS = {
-    "max_tokens": "max_tokens",
-    "max_completion_tokens": "max_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "seed": "seed",
-    "stop": "stop",
-    "n": "n",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-}
 
 
 class TokenizerLike(Protocol):
@@ -61,6 +55,18 @@ class _Params:
 
     params: SamplingParams
     origin: dict[str, str]
+
+
+@dataclass
+class _Staged:
+    """A row on its way through plan(): its prompt is text, token ids, a conversation still
+    to render, or None once it failed."""
+
+    row: InputRow
+    keep: dict[str, Any]  # passthrough values
+    prompt: RenderedPrompt | Conversation | list[int] | None
+    params: _Params
+    chat: bool
 
 
 @dataclass
@@ -109,8 +115,9 @@ class Planner:
         self.allow_multi = allow_multi
 
     def plan(self, rows: list[InputRow]) -> Plan:
+        """Raises RenderStopped if the renderer's stop turns true while chat templates run."""
         errors: list[ResultRow] = []
-        staged: list[tuple[InputRow, dict, RenderedPrompt | list[int], _Params, bool]] = []
+        staged: list[_Staged] = []
         for row in rows:
             keep = self._passthrough(row)
             if row.error_code is not None:
@@ -124,10 +131,21 @@ class Planner:
             except PromptError as e:
                 errors.append(ResultRow.failed(row, e.code, str(e), keep))
                 continue
-            staged.append((row, keep, prompt, params, chat))
-        token_ids = self._tokenize([s[2] for s in staged])
+            staged.append(_Staged(row, keep, prompt, params, chat))
+        # Every chat conversation of the shard goes to the template worker in one call.
+        chats = [s for s in staged if isinstance(s.prompt, Conversation)]
+        rendered = self.renderer.render_conversations([s.prompt.messages for s in chats])
+        for s, result in zip(chats, rendered):
+            if isinstance(result, PromptError):
+                errors.append(ResultRow.failed(s.row, result.code, str(result), s.keep))
+                s.prompt = None
+            else:
+                s.prompt = result
+        staged = [s for s in staged if s.prompt is not None]
+        token_ids = self._tokenize([s.prompt for s in staged])
         requests = []
-        for (row, keep, prompt, params, chat), ids in zip(staged, token_ids):
+        for s, ids in zip(staged, token_ids):
+            row, keep, prompt, params = s.row, s.keep, s.prompt, s.params
             if not ids or (isinstance(prompt, RenderedPrompt) and prompt.text == ""):
                 errors.append(ResultRow.failed(row, "empty_prompt", "prompt is empty", keep))
                 continue
@@ -140,7 +158,7 @@ class Planner:
                 errors.append(ResultRow.failed(row, error.code, message, keep, n))
             else:
                 requests.append(
-                    Request(row.index, row.id, ids, params.params, keep, chat, row.source)
+                    Request(row.index, row.id, ids, params.params, keep, s.chat, row.source)
                 )
         return Plan(order_requests(requests), errors)
 
@@ -148,23 +166,19 @@ class Planner:
         data = row.data or {}
         return {c: data.get(c) for c in self.passthrough}
 
-    def _prompt(self, row: InputRow) -> tuple[RenderedPrompt | list[int], bool, dict]:
+    def _prompt(
+        self, row: InputRow
+    ) -> tuple[RenderedPrompt | Conversation | list[int], bool, dict]:
+        """The row's prompt: text, token ids, or a conversation for the chat template."""
         openai = (row.data or {}).get(OPENAI_KEY)
         if openai is None:
-            return self.renderer.render(row.data or {}), self.renderer.spec.chat is not None, {}
-        body = openai["body"]
-        extra = {dst: body[src] for src, dst in _OPENAI_PARAMS.items() if body.get(src) is not None}
-        if openai["url"] == "/v1/chat/completions":
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise PromptError("bad_params", "body.messages must be a non-empty list")
-            return self.renderer.render_messages(messages), True, extra
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            return RenderedPrompt(prompt, add_special_tokens=True), False, extra
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return list(prompt), False, extra
-        raise PromptError("bad_params", "body.prompt must be a string or a list of token ids")
+            return self.renderer.prepare(row.data or {}), self.renderer.spec.chat is not None, {}
+        request = parse_body(openai["url"], openai["body"])  # every field honoured or refused
+        if request.chat:
+            return Conversation(request.messages), True, request.params
+        if isinstance(request.prompt, str):
+            return RenderedPrompt(request.prompt, add_special_tokens=True), False, request.params
+        return request.prompt, False, request.params
 
     def _params(self, row: InputRow, extra: dict[str, Any]) -> _Params:
         kw = dict(self.base_params)
@@ -221,10 +235,27 @@ class Planner:
                 if isinstance(p, RenderedPrompt) and p.add_special_tokens is flag
             ]
             if idx:
-                ids = self.tokenizer.encode_batch([prompts[i].text for i in idx], flag)
+                ids = encode_in_batches(self.tokenizer, [prompts[i].text for i in idx], flag)
                 for i, toks in zip(idx, ids):
-                    out[i] = list(toks)
+                    out[i] = toks
         return out  # type: ignore[return-value]
+
+
+def encode_in_batches(
+    tokenizer: TokenizerLike, texts: list[str], add_special_tokens: bool
+) -> list[list[int]]:
+    """tokenizer.encode_batch over `texts` in batches of at most TOKENIZE_BATCH_CHARS
+    characters (a longer text alone): a shard of long rows never tokenizes at once."""
+    out: list[list[int]] = []
+    start = 0
+    while start < len(texts):
+        end, chars = start + 1, len(texts[start])
+        while end < len(texts) and chars + len(texts[end]) <= TOKENIZE_BATCH_CHARS:
+            chars += len(texts[end])
+            end += 1
+        out += [list(ids) for ids in tokenizer.encode_batch(texts[start:end], add_special_tokens)]
+        start = end
+    return out
 
 
 def order_requests(requests: list[Request]) -> list[Request]:
@@ -252,8 +283,14 @@ def with_source(source: str, message: str) -> str:
     return message
 
 
-def to_result(request: Request, output: RequestOutput) -> ResultRow:
-    """The output row for a finished request (n > 1: text/finish_reason/tokens become lists)."""
+def to_result(
+    request: Request, output: RequestOutput, token_bytes: TokenBytes | None = None
+) -> ResultRow:
+    """The output row for a finished request (n > 1: text/finish_reason/tokens become lists).
+
+    With `token_bytes` (OpenAI-batch output) and a request that asked for log-probs, each
+    sample's log-probs in the response shape of its endpoint (chat or completions).
+    """
     base = dict(
         index=request.index,
         id=request.id,
@@ -267,14 +304,24 @@ def to_result(request: Request, output: RequestOutput) -> ResultRow:
         message = with_source(request.source, output.error or "the engine returned no output")
         return ResultRow(**base, error=message, error_code=code)
     samples = sorted(output.outputs, key=lambda o: o.index)
+    k = request.params.logprobs
+    logprobs = [None] * len(samples)
+    if token_bytes is not None and k is not None:
+        shape = chat_logprobs if request.chat else completion_logprobs
+        logprobs = [shape(s.token_ids, s.logprobs or [], k, token_bytes) for s in samples]
     if request.params.n == 1:
         s = samples[0]
         return ResultRow(
-            **base, text=s.text, finish_reason=s.finish_reason, num_output_tokens=len(s.token_ids)
+            **base,
+            text=s.text,
+            finish_reason=s.finish_reason,
+            num_output_tokens=len(s.token_ids),
+            logprobs=logprobs[0],
         )
     return ResultRow(
         **base,
         text=[s.text for s in samples],
         finish_reason=[s.finish_reason for s in samples],
         num_output_tokens=[len(s.token_ids) for s in samples],
+        logprobs=logprobs,
     )

@@ -1,18 +1,29 @@
-"""Prompts: render an input row as prompt text ({column} template or sandboxed chat template)."""
+"""Prompts: render input rows as prompt text ({column} template, or chat template in a worker).
+
+A `{column}` template is filled here (plain string formatting). A chat template is untrusted
+code: it runs only in the template worker (template_process.py), under a wall-clock and a
+memory limit, rows sent to it in batches.
+"""
 
 from __future__ import annotations
 
-import math
 import string
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import jinja2
-from jinja2.exceptions import SecurityError, TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
 from batchgen.job.spec import PromptSpec
+from batchgen.plan.template_process import RenderStopped, TemplateLimits, TemplateProcess
+from batchgen.short_repr import short_repr
+
+__all__ = [
+    "Conversation",
+    "PromptError",
+    "PromptRenderer",
+    "RenderStopped",
+    "RenderedPrompt",
+    "TemplateLimits",
+]
 
 
 class PromptError(ValueError):
@@ -37,88 +48,32 @@ def _fill(text: str, row: dict[str, Any]) -> str:
             continue
         if name not in row:
             raise PromptError("missing_column", f"column {name!r} is missing from this row")
-        value = row[name]
-        if value is None:
-            raise PromptError("null_text", f"column {name!r} is null")
-        out.append(value if isinstance(value, str) else str(value))
+        out.append(_text(name, row[name]))
     return "".join(out)
 
 
-class _Undefined(jinja2.Undefined):
-    """Lenient like HF's chat templates, except that a refused (unsafe) access always fails."""
-
-    def _check(self) -> None:
-        if self._undefined_exception is SecurityError:
-            self._fail_with_undefined_error()
-
-    def __str__(self) -> str:
-        self._check()
-        return super().__str__()
-
-    def __bool__(self) -> bool:
-        self._check()
-        return super().__bool__()
-
-    def __iter__(self):
-        self._check()
-        return super().__iter__()
-
-
-def _raise_exception(message: str):
-    raise TemplateError(message)
-
-
-# A chat template renders one row under limits, so a loop driven by the row's data or a huge
-# string is that row's template_error, never a stalled job (a stop signal waits for a render)
-# or an exhausted host.
-RENDER_TIMEOUT_S = 10.0
-MAX_RENDER_CHARS = 16 * 1024 * 1024
-
-
-class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, plus a deadline checked on every attribute, item and call, and a
-    size check on `*` and `**` (the ways one expression builds something huge)."""
-
-    intercepted_binops = frozenset(["*", "**"])
-    deadline = math.inf
-
-    def _tick(self) -> None:
-        if time.monotonic() > self.deadline:
-            raise SecurityError(f"rendering took over {RENDER_TIMEOUT_S:g} s")
-
-    def getattr(self, obj, attribute):
-        self._tick()
-        return super().getattr(obj, attribute)
-
-    def getitem(self, obj, argument):
-        self._tick()
-        return super().getitem(obj, argument)
-
-    def call(self, __context, __obj, *args, **kwargs):
-        self._tick()
-        return super().call(__context, __obj, *args, **kwargs)
-
-    def call_binop(self, context, operator, left, right):
-        self._tick()
-        if operator == "*":
-            for seq, times in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(times, int):
-                    if len(seq) * times > MAX_RENDER_CHARS:
-                        raise SecurityError(f"'*' would build over {MAX_RENDER_CHARS} items")
-        elif operator == "**" and isinstance(right, (int, float)) and abs(right) > 1024:
-            raise SecurityError("'**' with an exponent over 1024")
-        return super().call_binop(context, operator, left, right)
-
-
-def compile_chat_template(source: str) -> jinja2.Template:
-    env = _BoundedSandbox(
-        trim_blocks=True, lstrip_blocks=True, undefined=_Undefined, autoescape=False
+def _text(name: str, value: Any) -> str:
+    """A column's value as prompt text: a string as is, an integer or float as its decimal
+    text (7, 2.5, 1e+20, nan). Anything else (a list, object, bool, bytes, date) has no one
+    obvious text: that row is a bad_text error, never Python's str() of it."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        raise PromptError("null_text", f"column {name!r} is null")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise PromptError(
+        "bad_text",
+        f"column {name!r} holds {type(value).__name__} {short_repr(value)}, not text; "
+        "prompt columns take strings (or numbers)",
     )
-    env.globals["raise_exception"] = _raise_exception
-    try:
-        return env.from_string(source)
-    except TemplateError as e:
-        raise PromptError("template_error", f"chat template does not compile: {e}") from None
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A chat prompt before its template runs: the messages the chat template is given."""
+
+    messages: list[dict[str, Any]]
 
 
 class PromptRenderer:
@@ -128,6 +83,12 @@ class PromptRenderer:
         spec: the job's prompt section.
         chat_template: the model's chat template (spec.chat_template takes precedence).
         bos_token / eos_token: the tokenizer's special token strings, given to chat templates.
+        limits: hard limits on each chat-template render (template_process.TemplateLimits).
+        should_stop: polled while a chat template renders; True stops the render at once
+            (RenderStopped), so a stop signal never waits on a template.
+
+    A renderer that rendered chat rows holds a worker process: call close() when done (or use
+    it as a context manager).
     """
 
     def __init__(
@@ -136,65 +97,110 @@ class PromptRenderer:
         chat_template: str | None = None,
         bos_token: str | None = None,
         eos_token: str | None = None,
+        limits: TemplateLimits | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ):
         self.spec = spec
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.limits = limits or TemplateLimits()
+        self.should_stop = should_stop
         self._source = spec.chat_template or chat_template
-        self._template: jinja2.Template | None = None
+        self._process: TemplateProcess | None = None
+
+    def __enter__(self) -> PromptRenderer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._process is not None:
+            self._process.close()
+            self._process = None
 
     def check(self, needs_chat: bool) -> None:
-        """Fail early (PromptError) if chat prompts are needed but the template is unusable."""
+        """Fail early (PromptError) if chat prompts are needed but the template is unusable:
+        missing, not compiling, or failing on a one-message conversation."""
         if not needs_chat:
             return
-        self._chat_template()
+        error = self._template_process().check()
+        if error is not None:
+            raise PromptError("template_error", error)
         self.render_messages([{"role": "user", "content": "probe"}])
 
-    def _chat_template(self) -> jinja2.Template:
-        if self._template is None:
+    def _template_process(self) -> TemplateProcess:
+        if self._process is None:
             if not self._source:
                 raise PromptError(
                     "template_error",
                     "chat prompts need a chat template, but the model has none; set "
                     "prompt.chat_template or use prompt.template",
                 )
-            self._template = compile_chat_template(self._source)
-        return self._template
+            self._process = TemplateProcess(
+                self._source,
+                self.bos_token or "",
+                self.eos_token or "",
+                self.limits,
+                self.should_stop,
+            )
+        return self._process
 
-    def render_messages(self, messages: list[dict[str, Any]]) -> RenderedPrompt:
-        template = self._chat_template()
-        env = template.environment
-        env.deadline = time.monotonic() + RENDER_TIMEOUT_S
-        try:
-            parts, size = [], 0
-            for part in template.generate(
-                messages=messages,
-                add_generation_prompt=True,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            ):
-                size += len(part)
-                if size > MAX_RENDER_CHARS:
-                    raise SecurityError(f"output over {MAX_RENDER_CHARS} characters")
-                env._tick()
-                parts.append(part)
-            text = "".join(parts)
-        except SecurityError as e:
-            raise PromptError("template_error", f"chat template refused by sandbox: {e}") from None
-        except TemplateError as e:
-            raise PromptError("template_error", f"chat template failed: {e}") from None
-        except Exception as e:  # a template can raise anything a filter raises
-            raise PromptError("template_error", f"chat template failed: {e!r}") from None
-        finally:
-            env.deadline = math.inf
-        has_bos = bool(self.bos_token) and text.startswith(self.bos_token)
-        return RenderedPrompt(text, add_special_tokens=not has_bos)
-
-    def render(self, row: dict[str, Any]) -> RenderedPrompt:
-        """Render a row of the job's own prompt spec (template or chat)."""
+    def prepare(self, row: dict[str, Any]) -> RenderedPrompt | Conversation:
+        """A row of the job's own prompt spec: the filled template's text, or the filled
+        chat messages still to be rendered (render_conversations). Raises PromptError."""
         if self.spec.template is not None:
             return RenderedPrompt(_fill(self.spec.template, row), add_special_tokens=True)
         if self.spec.chat is None:
             raise PromptError("template_error", "the job has no prompt.template or prompt.chat")
-        msgs = [{"role": m.role, "content": _fill(m.content, row)} for m in self.spec.chat]
-        return self.render_messages(msgs)
+        return Conversation(
+            [{"role": m.role, "content": _fill(m.content, row)} for m in self.spec.chat]
+        )
+
+    def render_conversations(
+        self, conversations: list[list[dict[str, Any]]]
+    ) -> list[RenderedPrompt | PromptError]:
+        """Each conversation through the chat template (one batch to the worker): its prompt,
+        or the PromptError (template_error) it failed with. Raises RenderStopped."""
+        if not conversations:
+            return []
+        try:
+            process = self._template_process()
+        except PromptError as e:
+            return [e] * len(conversations)
+        out: list[RenderedPrompt | PromptError] = []
+        for result in process.render(conversations):
+            if result.text is None:
+                out.append(PromptError("template_error", result.error or "chat template failed"))
+                continue
+            has_bos = bool(self.bos_token) and result.text.startswith(self.bos_token)
+            out.append(RenderedPrompt(result.text, add_special_tokens=not has_bos))
+        return out
+
+    def render_rows(self, rows: list[dict[str, Any]]) -> list[RenderedPrompt | PromptError]:
+        """prepare() then render_conversations() for many rows: each row's prompt or error."""
+        out: list[RenderedPrompt | PromptError | Conversation] = []
+        for row in rows:
+            try:
+                out.append(self.prepare(row))
+            except PromptError as e:
+                out.append(e)
+        chats = [i for i, p in enumerate(out) if isinstance(p, Conversation)]
+        done = self.render_conversations([out[i].messages for i in chats])  # type: ignore[union-attr]
+        for i, result in zip(chats, done):
+            out[i] = result
+        return out  # type: ignore[return-value]
+
+    def render_messages(self, messages: list[dict[str, Any]]) -> RenderedPrompt:
+        """One conversation through the chat template; raises PromptError."""
+        (result,) = self.render_conversations([messages])
+        if isinstance(result, PromptError):
+            raise result
+        return result
+
+    def render(self, row: dict[str, Any]) -> RenderedPrompt:
+        """Render a row of the job's own prompt spec (template or chat); raises PromptError."""
+        (result,) = self.render_rows([row])
+        if isinstance(result, PromptError):
+            raise result
+        return result

@@ -17,7 +17,7 @@ from batchgen.io.score_reader import MEMBERS_KEY
 from batchgen.io.score_rows import ScoreRow
 from batchgen.job.spec import ScoreSpec
 from batchgen.outputs import RequestOutput
-from batchgen.plan.planner import TokenizerLike, order_requests, with_source
+from batchgen.plan.planner import TokenizerLike, encode_in_batches, order_requests, with_source
 from batchgen.plan.prompts import PromptError, PromptRenderer
 from batchgen.plan.scoring import tokenize_for_scoring
 
@@ -67,7 +67,7 @@ class _Encoder:
         self.tokenizer = tokenizer
         self.special = special
         unique = list(dict.fromkeys(texts))
-        self.cache = dict(zip(unique, tokenizer.encode_batch(unique, special))) if unique else {}
+        self.cache = dict(zip(unique, encode_in_batches(tokenizer, unique, special)))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         special = self.special and add_special_tokens
@@ -103,8 +103,9 @@ class ScorePlanner:
         self.passthrough = passthrough
 
     def plan(self, units: list[InputRow]) -> ScorePlan:
+        """Raises RenderStopped if the renderer's stop turns true while chat templates run."""
         errors: list[ScoreRow] = []
-        staged = []
+        pending = []
         for unit in units:
             cands, problem = self._candidates(unit)
             if unit.error_code is not None:
@@ -113,10 +114,13 @@ class ScorePlanner:
             if problem is not None:
                 errors += self._fail(unit, None, *problem)
                 continue
-            try:
-                prompt = self.renderer.render(unit.data or {})
-            except PromptError as e:
-                errors += self._fail(unit, cands, e.code, str(e))
+            pending.append((unit, cands))
+        staged = []
+        # One call renders every unit's prompt (chat templates: one batch to the worker).
+        prompts = self.renderer.render_rows([unit.data or {} for unit, _ in pending])
+        for (unit, cands), prompt in zip(pending, prompts):
+            if isinstance(prompt, PromptError):
+                errors += self._fail(unit, cands, prompt.code, str(prompt))
                 continue
             staged.append((unit, cands, prompt))
         encoders = {}

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: GPU tests, kernel timings, then the benchmark workloads.
+# One pass on a GPU machine: GPU tests, kernel timings, benchmark workloads and profiles.
 # Usage (repo root, on a CUDA box): bash examples/benchmarks/gpu_session.sh [STAGE...]
-# Stages: tests kernels nano-qwen nano-llama nano-qwen3 nano-llama3 shared-prefix summarize score peer-qwen peer-llama
-#         profile-qwen profile-llama profile-qwen-small decode-tune admission-qwen
-#         admission-llama placement gemm ncu-decode ncu-gemm mixed-llama
+# Stages: tests kernels nano-qwen nano-llama nano-qwen3 nano-llama3 shared-prefix summarize score
+#         peer-qwen peer-llama profile-qwen profile-llama profile-qwen-small run-qwen run-llama
+#         timeline-qwen jit-qwen decode-tune placement
+#         tests-moe nano-moe jit-moe moe-layer moe-tune tests-moe-tp nano-mixtral-tp2
 # Writes logs and JSON under $OUT (default ./out/gpu). Wheels in .whl/ (e.g. polars) are
 # installed to /tmp/site first when present, for machines without them.
 set -uo pipefail
@@ -37,40 +38,35 @@ for stage in $stages; do
       2>&1 | tee "$OUT/profile_llama.log" ;;
     profile-qwen-small) python3 examples/benchmarks/profile_decode.py qwen3-0.6b 30 4 \
       2>&1 | tee "$OUT/profile_qwen_small.log" ;;
-    admission-qwen) python3 examples/benchmarks/profile_admission.py qwen3-0.6b \
-      2>&1 | tee "$OUT/admission_qwen.log" ;;
-    admission-llama) python3 examples/benchmarks/profile_admission.py llama3.1-8b \
-      2>&1 | tee "$OUT/admission_llama.log" ;;
     placement) python3 tests/kernels/bench_kernels.py --only placement \
       2>&1 | tee "$OUT/placement.log" ;;
-    gemm) python3 examples/benchmarks/gemm_shapes.py 2>&1 | tee "$OUT/gemm.log" ;;
     decode-tune) python3 tests/kernels/bench_kernels.py --only decode --tune \
       2>&1 | tee "$OUT/decode_tune.log" ;;
     nano-qwen3) bench --workload nano --model-preset qwen3-0.6b --repeat 3 \
       --json "$OUT/nano_qwen_r3.json" ;;
     nano-llama3) bench --workload nano --model-preset llama3.1-8b --repeat 3 \
       --json "$OUT/nano_llama_r3.json" ;;
-    ncu-decode) python3 examples/benchmarks/ncu_target.py attn 64 --dump "$OUT/sass"
-      cuobjdump -sass "$OUT/sass/decode_split.cubin" > "$OUT/sass/decode_split.sass"
-      for b in ${NCU_BATCHES:-32 64 128 256}; do
-        ncu --clock-control none -k regex:_decode_split_kernel --launch-skip 2 --launch-count 1 \
-          --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-          --section WarpStateStats --section SchedulerStats --section LaunchStats \
-          python3 examples/benchmarks/ncu_target.py attn "$b" > "$OUT/ncu_decode_$b.txt" 2>&1
-        grep -E "attn B=|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occ|Stall|Registers Per|Block Limit|Waves Per" \
-          "$OUT/ncu_decode_$b.txt"
-      done ;;
-    ncu-gemm) for mkn in ${NCU_GEMMS:-"128 4096 28672" "256 4096 28672" "64 1024 6144"}; do
-        ncu --clock-control none -k regex:"gemm|nvjet|xmma|cutlass" --launch-skip 2 \
-          --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-          --section Occupancy --section LaunchStats \
-          python3 examples/benchmarks/ncu_target.py gemm $mkn \
-          > "$OUT/ncu_gemm_${mkn// /_}.txt" 2>&1
-        grep -E "gemm M=|^  [a-zA-Z_0-9]+|Duration|DRAM Throughput|Memory Throughput|Grid Size|Waves Per" \
-          "$OUT/ncu_gemm_${mkn// /_}.txt" | head -12
-      done ;;
-    mixed-llama) python3 examples/benchmarks/mixed_step_probe.py llama3.1-8b \
-      2>&1 | tee "$OUT/mixed_llama.log" ;;
+    run-qwen) python3 examples/benchmarks/profile_run.py qwen3-0.6b \
+      2>&1 | tee "$OUT/run_qwen.log" ;;
+    run-llama) python3 examples/benchmarks/profile_run.py llama3.1-8b \
+      2>&1 | tee "$OUT/run_llama.log" ;;
+    timeline-qwen) python3 examples/benchmarks/step_timeline.py qwen3-0.6b async sync \
+      2>&1 | tee "$OUT/timeline_qwen.log" ;;
+    jit-qwen) python3 examples/benchmarks/jit_misses.py qwen3-0.6b 2>&1 | tee "$OUT/jit_qwen.log" ;;
+    tests-moe) python3 -m pytest -m gpu tests/gpu/test_moe_gpu.py tests/kernels/test_fused_moe.py \
+      tests/kernels/test_moe_align.py tests/kernels/test_moe_router.py -q -p no:warnings \
+      2>&1 | tee "$OUT/gpu_tests_moe.log" ;;
+    nano-moe) bench --workload nano --model-preset qwen3-30b-a3b --repeat 3 \
+      --json "$OUT/nano_moe.json" ;;
+    jit-moe) python3 examples/benchmarks/jit_misses.py qwen3-30b-a3b 2>&1 | tee "$OUT/jit_moe.log" ;;
+    moe-layer) python3 -m batchgen.bench.moe_layer --preset qwen3-30b-a3b \
+      --json "$OUT/moe_layer.json" 2>&1 | tee "$OUT/moe_layer.log" ;;
+    moe-tune) python3 -m batchgen.bench.moe_tune --shape qwen3-30b-a3b \
+      --tokens 1 4 16 64 128 256 384 512 --json "$OUT/moe_tune.json" 2>&1 | tee "$OUT/moe_tune.log" ;;
+    tests-moe-tp) python3 -m pytest -m gpu tests/gpu/test_moe_tp_gpu.py -q -p no:warnings -s \
+      2>&1 | tee "$OUT/gpu_tests_moe_tp.log" ;;
+    nano-mixtral-tp2) bench --workload nano --model-preset mixtral-8x7b --tensor-parallel-size 2 \
+      --json "$OUT/nano_mixtral_tp2.json" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

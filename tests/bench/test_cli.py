@@ -46,6 +46,20 @@ def test_nano_smoke_json_has_every_field(tmp_path):
     assert report["peer"] is None
 
 
+def test_moe_smoke_reports_the_experts_roofline(tmp_path):
+    report = _run(
+        tmp_path, "--workload", "nano", "--num-prompts", "4", "--model-preset", "tiny-moe"
+    )
+    result = report["result"]
+    _assert_result(result)
+    assert report["model"]["architecture"] == "Qwen3MoeForCausalLM"
+    assert report["model"]["experts"]["num_experts"] == 8
+    # Each step's tokens reach between top_k (2) and all 8 experts of the sparse layer.
+    assert 2 <= result["experts_touched_per_layer_step"] <= 8
+    assert result["experts_touched"] >= 2 * result["steps"]
+    assert result["roofline_fraction_steps_taken"] > 0 and result["roofline_fraction"] > 0
+
+
 def test_shared_prefix_smoke_runs_caching_off(tmp_path):
     report = _run(tmp_path, "--workload", "shared-prefix", "--num-prompts", "16")
     off = report["prefix_caching_off"]
@@ -85,4 +99,17 @@ def test_transformers_is_not_imported_without_peer(tmp_path):
         "assert r.exit_code == 0, r.output; "
         "assert 'transformers' not in sys.modules, 'transformers was imported'"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=600)
+
+
+def test_model_hub_id_is_resolved_before_anything_runs(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    result = CliRunner().invoke(bench, [*SMOKE, "--model", "no-org/no-model"])
+    assert result.exit_code == 2
+    assert "not a local directory, nor in the hub cache" in result.output
+    assert "hf download no-org/no-model" in result.output
+    result = CliRunner().invoke(bench, [*SMOKE, "--revision", "main"])
+    assert result.exit_code == 2 and "needs --model" in result.output

@@ -46,7 +46,7 @@ def test_continuous_batching_peer_runs_on_cpu():
     model, raw = build_random_model("tiny", torch.float32, CPU)
     hf = peer_hf.build_hf_model(raw, to_hf_state_dict(model), None, torch.float32, CPU)
     w = build_workload("nano", 512, num_prompts=3, max_output_tokens=5)
-    result = peer_hf.run_peer(hf, w, None, CPU, timeout_s=120)
+    result = peer_hf.run_peer(hf, w, None, CPU, timeout_s=600)
     assert result.requests == 3 and result.errors == 0
     assert result.output_tokens == sum(w.max_tokens)  # per-request lengths, EOS disabled
 

@@ -1,4 +1,4 @@
-"""The roofline models: BENCHMARKS.md's nano limits and the FLOPs sums."""
+"""The roofline models: the benchmark spec's nano limits and the FLOPs sums."""
 
 from __future__ import annotations
 

@@ -119,12 +119,16 @@ def test_workers_over_byte_ranges_make_the_same_plan(tmp_path, monkeypatch):
 
     files = write_inputs(tmp_path)[:2]  # JSONL only: a BOM, blank, bad and duplicate lines
     c = tmp_path / "c.jsonl"
+    # Lines over input.max_row_bytes (80) are row_too_large records: one whose id repeats an
+    # earlier id (an error record is no duplicate), and one of spaces only (a row, not blank).
+    long_dup = json.dumps({"id": "a5", "text": "w" * 100})
     c.write_text("\n\n" + "".join(json.dumps({"id": f"c{i}", "text": "y", "n": [i]}) + "\n"
-                                  for i in range(40)) + '{"id": "a7", "text": "z"}')  # fmt: skip
+                                  for i in range(40)) + long_dup + "\n" + " " * 90 + "\n"
+                 + '{"id": "a7", "text": "z"}')  # fmt: skip
     files.append(str(c))
     job = JobSpec(
         model=ModelSpec(path="m"),
-        input=InputSpec(path="x", columns=("n",)),
+        input=InputSpec(path="x", columns=("n",), max_row_bytes=80),
         prompt=PromptSpec(template="{text}"),
         sampling=SamplingSpec(),
         output=OutputSpec(path="out", shard_rows=7),
@@ -132,15 +136,18 @@ def test_workers_over_byte_ranges_make_the_same_plan(tmp_path, monkeypatch):
     read = UnitReader(job, files, ["text", "n"])
     formats = ["jsonl"] * 3
     one = scan(read, files, formats, ["n"], arrow_schema, 7, "k", {})  # the Reader, unit by unit
-    lines = scan_module.LineSpec("id")
+    lines = scan_module.LineSpec("id", max_row_bytes=80)
     lean = scan(read, files, formats, ["n"], arrow_schema, 7, "k", {}, lines=lines)
     assert encode(lean) == encode(one)
     monkeypatch.setattr(scan_module, "RANGE_BYTES", 97)  # ranges of a line or two
     assert len(scan_module.split_ranges(files, 97)) > 10
     many = scan(read, files, formats, ["n"], arrow_schema, 7, "k", {}, workers=2, lines=lines)
     assert encode(many) == encode(one)  # the same bytes, whatever the number of workers
-    assert many.num_units == 22 + 6 + 41 and len(many.duplicates) == 2
+    assert many.num_units == 22 + 6 + 43 and len(many.duplicates) == 2
     assert many.notes == one.notes and many.notes  # n: numbers in a and b, lists in c
+    units = [u for chunk in read(None, 0, None) for u in chunk]
+    too_large = [u.source for u in units if u.error_code == "row_too_large"]
+    assert too_large == [f"{c}:43", f"{c}:44"]
 
 
 def bytes_read() -> int:

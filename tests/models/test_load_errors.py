@@ -72,7 +72,9 @@ def test_missing_tensor_is_named(tiny_model_dir, tmp_path):
     tensors = load_file(weights)
     del tensors["model.layers.0.self_attn.k_proj.weight"]
     save_file(tensors, weights)
-    with pytest.raises(ModelLoadError, match=r"missing 1 tensor.*layers\.0\.self_attn\.qkv_proj"):
+    with pytest.raises(
+        ModelLoadError, match=r"missing 1 tensor.*layers\.0\.self_attn\.k_proj\.weight"
+    ):
         load_model(path)
 
 

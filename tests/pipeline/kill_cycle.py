@@ -30,7 +30,7 @@ ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 POLL_S = 0.0005  # a shard's temp file lives a few ms (write + fsync)
-RUN_TIMEOUT_S = 120
+RUN_TIMEOUT_S = 600  # a hang detector: a loaded 2-core machine must never reach it
 GRACEFUL = (signal.SIGTERM, signal.SIGINT)
 
 

@@ -5,13 +5,19 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
 from batchgen.job import load_job
+
+if TYPE_CHECKING:
+    import polars as pl
+
+# polars is imported where it is used: test modules importing these helpers must collect on a
+# machine without polars (the GPU machine, `pytest -m gpu`).
 
 TEMPLATE = "Summarize:\n{text}\nSummary:"
 
@@ -34,6 +40,8 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 
 def write_parquet(path: Path, records: list[dict]) -> Path:
+    import polars as pl
+
     path.parent.mkdir(parents=True, exist_ok=True)
     pl.DataFrame(records).write_parquet(path)
     return path
@@ -86,5 +94,7 @@ def load(path: Path, *overrides: str):
 
 
 def read_output(out_dir: str | os.PathLike) -> pl.DataFrame:
+    import polars as pl
+
     files = sorted(Path(out_dir).glob("part-*.parquet"))
     return pl.concat([pl.read_parquet(f) for f in files]) if files else pl.DataFrame()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent / "pipeline"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "pipeline"))
 
 from fake_engine import FakeTokenizer  # noqa: E402
 
@@ -160,3 +160,38 @@ def test_pretokenized_prompts_and_body_fields_are_checked():
 def test_a_job_value_the_model_cannot_take_names_sampling():
     plan = planner(base_params={"max_tokens": 100}).plan([row(0, "a")])
     assert plan.errors[0].error.startswith("f:0: sampling.max_tokens=100: must be less than")
+
+
+class CountingTokenizer(FakeTokenizer):
+    """Records the characters of every encode_batch call."""
+
+    def __init__(self):
+        self.calls: list[int] = []
+
+    def encode_batch(self, texts, add_special_tokens=True):
+        self.calls.append(sum(len(t) for t in texts))
+        return super().encode_batch(texts, add_special_tokens)
+
+
+def test_rows_just_under_the_limit_tokenize_in_bounded_batches(monkeypatch):
+    # 1,024 rows just under input.max_row_bytes (scaled down: 4 KiB rows, 64 Ki-character
+    # batches, as 4 MiB rows and 4 Mi-character batches): never all of them in one call.
+    from batchgen.plan import planner as planner_module
+
+    monkeypatch.setattr(planner_module, "TOKENIZE_BATCH_CHARS", 64 << 10)
+    tok = CountingTokenizer()
+    p = Planner(
+        PromptRenderer(PromptSpec(template="Q: {text}")),
+        tok,
+        ModelLimits(1 << 20, FakeTokenizer.vocab_size),
+        {"max_tokens": 4},
+    )
+    rows = [row(i, "y" * (4096 - 8)) for i in range(1024)]
+    plan = p.plan(rows)
+    assert len(plan.requests) == 1024 and not plan.errors
+    assert sum(tok.calls) == 1024 * 4091  # every prompt once
+    assert max(tok.calls) <= 64 << 10 and len(tok.calls) >= 1024 * 4091 // (64 << 10)
+    # A single prompt over the batch size goes alone.
+    tok.calls.clear()
+    p.plan([row(0, "a" * 100_000), row(1, "b")])
+    assert tok.calls == [100_003, 4]

@@ -6,7 +6,7 @@ import pytest
 
 from batchgen.job import ChatMessage, PromptSpec
 from batchgen.job.placeholders import placeholders
-from batchgen.plan.prompts import PromptError, PromptRenderer
+from batchgen.plan.prompts import PromptError, PromptRenderer, TemplateLimits
 
 CHAT = (
     "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
@@ -85,30 +85,49 @@ def test_immutable_sandbox_blocks_mutation():
 
 
 @pytest.mark.parametrize(
-    "template, why",
+    "template, why, timeout_s",
     [
-        # A loop driven by the row's data: stopped by the deadline, not run for minutes.
+        # A loop that touches the data: the sandbox's own deadline check fires first.
         (
             "{% for m in messages %}{% for i in range(100000) %}{% for j in range(100000) %}"
             "{% if m.role == 'z' %}x{% endif %}{% endfor %}{% endfor %}{% endfor %}",
             "took over",
+            0.3,
         ),
-        ("{{ 'a' * 300000000 }}", "'*' would build"),
-        ("{{ 10 ** 100000000 }}", "exponent"),
-        ("{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}", "output over"),
+        # The others must be stopped by their own limit: a deadline far off, so a loaded
+        # machine's slow render never reaches it first.
+        ("{{ 'a' * 300000000 }}", "'*' would build", 60.0),
+        ("{{ 10 ** 100000000 }}", "exponent", 60.0),
+        ("{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}", "output over", 60.0),
     ],
 )
-def test_chat_template_runs_under_limits(monkeypatch, template, why):
-    from batchgen.plan import prompts
-
-    monkeypatch.setattr(prompts, "RENDER_TIMEOUT_S", 0.3)
-    monkeypatch.setattr(prompts, "MAX_RENDER_CHARS", 1_000_000)
+def test_chat_template_runs_under_limits(template, why, timeout_s):
     spec = PromptSpec(chat=(ChatMessage("user", "{text}"),))
-    renderer = PromptRenderer(spec, template)
-    with pytest.raises(PromptError, match=why) as e:
-        renderer.render({"text": "x" * 100})
-    assert e.value.code == "template_error"
-    # The same renderer still renders a later row (the deadline is per render).
-    monkeypatch.setattr(prompts, "MAX_RENDER_CHARS", 10**9)
-    ok = PromptRenderer(spec, CHAT)
-    assert ok.render({"text": "hi"}).text == "[user]hi[assistant]"
+    limits = TemplateLimits(timeout_s=timeout_s, max_chars=1_000_000)
+    with PromptRenderer(spec, template, limits=limits) as renderer:
+        with pytest.raises(PromptError, match=why) as e:
+            renderer.render({"text": "x" * 100})
+        assert e.value.code == "template_error"
+    # A renderer of a good template renders a later row (the limits are per render).
+    with PromptRenderer(spec, CHAT, limits=limits) as ok:
+        assert ok.render({"text": "hi"}).text == "[user]hi[assistant]"
+
+
+@pytest.mark.parametrize(
+    "value, kind",
+    [(["a", "b"], "list"), ({"k": "v"}, "dict"), (True, "bool"), (b"raw", "bytes")],
+)
+def test_non_string_text_values_are_bad_text(value, kind):
+    spec = PromptSpec(template="Doc: {text}")
+    with pytest.raises(PromptError, match=f"column 'text' holds {kind} .*not text") as e:
+        PromptRenderer(spec).render({"text": value})
+    assert e.value.code == "bad_text"
+    chat = PromptSpec(chat=(ChatMessage("user", "{text}"),))
+    with pytest.raises(PromptError) as e:
+        PromptRenderer(chat, CHAT).render({"text": value})
+    assert e.value.code == "bad_text"
+
+
+def test_numbers_are_written_as_their_decimal_text():
+    r = PromptRenderer(PromptSpec(template="{a} {b} {c}"))
+    assert r.render({"a": 7, "b": 2.5, "c": -0.0}).text == "7 2.5 -0.0"

@@ -17,11 +17,13 @@ import sys
 import time
 from pathlib import Path
 
-import polars as pl
 import pytest
 import yaml
 
 pytestmark = pytest.mark.slurm
+# The GPU machine has no polars (it runs only `pytest -m gpu`): there this module is skipped
+# at collection.
+pl = pytest.importorskip("polars", reason="polars (a runtime dependency) is not installed")
 
 REPO = Path(__file__).resolve().parents[2]
 ROWS, SHARD_ROWS, TASKS = 2000, 100, 4
