@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 DEMO_MODEL := examples/tiny-llama
 
-.PHONY: install test test-gpu lint format demo clean-demo
+.PHONY: install test test-slurm test-gpu lint format demo clean-demo
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,12 @@ install: $(BIN)/python
 	$(BIN)/pip install -q "numpy<2.3" -e ".[test]"
 
 test: install
-	TRITON_INTERPRET=1 $(BIN)/pytest -m "not gpu"
+	TRITON_INTERPRET=1 $(BIN)/pytest -m "not gpu and not slurm"
+
+# examples/slurm/ on a real one-node Slurm cluster (as root; installs slurm-wlm and munge
+# with apt-get if they are missing). .ci/run runs it; there a missing Slurm fails the test.
+test-slurm: install
+	$(BIN)/pytest -m slurm tests/slurm
 
 # On a CUDA machine: every test including the @pytest.mark.gpu ones, kernels compiled for real.
 test-gpu:

@@ -2,4 +2,5 @@
 
 from batchgen.cli import main
 
-main()
+if __name__ == "__main__":  # not when a worker process (multiprocessing spawn) imports it
+    main()

@@ -1,10 +1,9 @@
-"""The `batchgen` command line: run, validate, status, make-model (and bench when present;
+"""The `batchgen` command line: run, run-batch, validate, plan, status, make-model (and bench;
 perplexity from batchgen/perplexity_cli.py)."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import sys
 from collections.abc import Iterator
@@ -70,6 +69,14 @@ def _default_shard() -> str | None:
     return f"{offset // step}/{n}"
 
 
+def _slurm_job() -> str:
+    """`slurm JOB` (or `slurm ARRAYJOB_TASK`) when run by Slurm: shown with this run's locks."""
+    env = os.environ
+    if env.get("SLURM_ARRAY_JOB_ID"):
+        return f"slurm {env['SLURM_ARRAY_JOB_ID']}_{env.get('SLURM_ARRAY_TASK_ID', '')}"
+    return f"slurm {env['SLURM_JOB_ID']}" if env.get("SLURM_JOB_ID") else ""
+
+
 def _version() -> str:
     """The installed distribution's version (a plain checkout on PYTHONPATH: the package's)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -116,6 +123,41 @@ _shard_option = click.option(
 _progress_option = click.option(
     "--progress/--no-progress", default=None, help="Progress bar (default: on a tty)."
 )
+_grace_option = click.option(
+    "--grace",
+    "grace_s",
+    type=click.FloatRange(min=0),
+    default=5.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="After SIGTERM/SIGUSR1/Ctrl-C: how long requests in the engine may still finish "
+    "before every finished row is committed and the run exits 75.",
+)
+_checkpoint_option = click.option(
+    "--checkpoint",
+    "checkpoint_s",
+    type=click.FloatRange(min=0),
+    default=300.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Commit the finished rows of unfinished shards this often (0: only when stopped), "
+    "so a crash or SIGKILL loses at most this much work.",
+)
+_lease_option = click.option(
+    "--lease",
+    "lease_s",
+    type=click.FloatRange(min=1),
+    default=120.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Lock lease: a shard whose holder (on another host) has not renewed its lock for "
+    "this long is taken over.",
+)
+
+
+def _stop_options(command):
+    """--grace, --checkpoint and --lease: how a run stops, saves and shares its shards."""
+    return _grace_option(_checkpoint_option(_lease_option(command)))
 
 
 @main.command()
@@ -125,20 +167,26 @@ _progress_option = click.option(
 @_strict_option
 @_shard_option
 @_progress_option
-def run(job_file, overrides, overwrite, strict, shard, progress) -> None:
+@_stop_options
+def run(
+    job_file, overrides, overwrite, strict, shard, progress, grace_s, checkpoint_s, lease_s
+) -> None:
     """Run JOB_FILE: generate for every input row and commit sharded output.
 
     Exit codes: 0 done (row errors are counted, not fatal), 1 row errors in this task's shards
     with --strict, 2 bad job, model, input, usage or a permission error on a path, 70 internal
     error (traceback in a crash report), 74 I/O error such as a full disk, 75 interrupted by
-    SIGTERM/SIGUSR1/SIGINT (run again to resume), 130 a second SIGINT.
+    SIGTERM/SIGUSR1/SIGINT (run again to resume: the finished rows are kept), 130 a second
+    SIGINT.
     """
-    _run_job(lambda: load_job(job_file, overrides), shard, overwrite, strict, progress)
+    options = dict(grace_s=grace_s, checkpoint_s=checkpoint_s or None, lease_s=lease_s)
+    _run_job(lambda: load_job(job_file, overrides), shard, overwrite, strict, progress, **options)
 
 
-def _run_job(make_job, shard, overwrite, strict, progress, finish=None) -> None:
+def _run_job(make_job, shard, overwrite, strict, progress, finish=None, **options) -> None:
     """Build the job with `make_job()`, run this task's shards, report and exit; `finish(job,
-    result)` runs once the whole job is complete (before the report)."""
+    result)` runs once the whole job is complete (before the report). `options`: the Runner's
+    grace_s, checkpoint_s and lease_s."""
     # Stop signals are caught from here, before torch is imported (about a second), to the
     # command's end: a Slurm preemption while the run starts up exits 75 (requeue), not -15,
     # and one after the run has finished changes nothing.
@@ -163,6 +211,8 @@ def _run_job(make_job, shard, overwrite, strict, progress, finish=None) -> None:
             progress=show,
             log=lambda m: click.echo(m, err=True),
             stop=stop,
+            holder=_slurm_job(),
+            **options,
         ).run()
         extra = finish(job, result) if finish is not None and result.complete else []
         _report(result, job, selector, strict, extra)
@@ -209,6 +259,7 @@ def _report(result, job, selector, strict: bool, extra: list[str] = ()) -> None:
 @_strict_option
 @_shard_option
 @_progress_option
+@_stop_options
 def run_batch(
     input_file,
     output_file,
@@ -224,6 +275,9 @@ def run_batch(
     strict,
     shard,
     progress,
+    grace_s,
+    checkpoint_s,
+    lease_s,
 ) -> None:
     """Run an OpenAI batch file (or Parquet/JSONL with --prompt-template) into OUTPUT_FILE.
 
@@ -252,7 +306,8 @@ def run_batch(
         also = f"; {errors} request error(s) also in {errors_file}" if errors_file else ""
         return [f"wrote {output_file}{also}"]
 
-    _run_job(lambda: build_job(args), shard, overwrite, strict, progress, finish)
+    options = dict(grace_s=grace_s, checkpoint_s=checkpoint_s or None, lease_s=lease_s)
+    _run_job(lambda: build_job(args), shard, overwrite, strict, progress, finish, **options)
 
 
 @main.command()
@@ -270,39 +325,41 @@ def validate(job_file, overrides) -> None:
 
 
 @main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+@click.option(
+    "--overwrite", is_flag=True, help="Discard outputs of a different job in output.path."
+)
+def plan(job_file, overrides, overwrite) -> None:
+    """Make JOB_FILE's shard plan now (one pass over the input; no model weights).
+
+    Every task of the job then seeks straight to its shards. Without this, the first task
+    to start makes it while the others wait.
+    """
+    stop = StopFlag()
+    with GracefulStop(stop), _exit_codes():
+        from batchgen.pipeline.plan_command import make_plan
+
+        lines = make_plan(load_job(job_file, overrides), overwrite, stop, _log)
+    for line in lines:
+        click.echo(line)
+    sys.exit(EX_TEMPFAIL if stop.is_set() else EXIT_OK)
+
+
+def _log(message: str) -> None:
+    click.echo(message, err=True)
+
+
+@main.command()
 @click.argument("out_dir", type=click.Path(file_okay=False))
 def status(out_dir) -> None:
-    """Show OUT_DIR's progress: shards done, rows ok/error, tokens, throughput."""
-    from batchgen.io import manifest
-    from batchgen.pipeline.stats import job_totals
+    """Show OUT_DIR's progress: shards done, partial shards, who works on what, rows, tokens."""
+    from batchgen.pipeline.status import status_lines
 
-    job = manifest.read_job(out_dir)
-    if job is None:
-        _fail(f"{out_dir}: no batchgen output here (no {manifest.JOB_FILE})")
-    entries = {
-        k: e
-        for k, e in manifest.read_entries(out_dir).items()
-        if e.get("fingerprint") == job["fingerprint"]
-    }
-    totals = job_totals(entries)
-    total = job.get("num_shards")
-    done = os.path.exists(os.path.join(out_dir, manifest.SUCCESS_FILE))
-    click.echo(f"{out_dir}: {'complete' if done else 'in progress'}")
-    click.echo(f"shards: {totals['shards']}/{total if total is not None else '?'} committed")
-    click.echo(f"rows: {totals['ok']} ok, {totals['errors']} error(s)")
-    click.echo(
-        f"tokens: {totals['num_prompt_tokens']} prompt ({totals['num_cached_tokens']} "
-        f"cached), {totals['num_generated_tokens']} generated"
-    )
-    try:
-        with open(os.path.join(out_dir, manifest.STATS_FILE)) as f:
-            last = json.load(f)["last_run"]
-        click.echo(
-            f"last run (task {last['task']}): {last['wall_s']:.1f} s, "
-            f"{last['tokens_per_s']:.1f} generated tok/s"
-        )
-    except (OSError, ValueError, KeyError):
-        pass
+    with _exit_codes():
+        lines = status_lines(out_dir)
+    for line in lines:
+        click.echo(line)
 
 
 @main.command("make-model")

@@ -43,8 +43,6 @@ DIARY = re.compile(
 PATH_TOKEN = re.compile(r"(?<![\w./:-])((?:batchgen|kernels|examples|tests|jobs)/[\w./-]*)")
 # Written by `batchgen make-model` (make demo, the README's commands, the tests), not tracked.
 GENERATED = re.compile(r"^examples/tiny-[\w-]+/?")
-# Linked from README.md and added by the Slurm examples; checked once it exists.
-PENDING = {"examples/slurm/"}
 MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 BACKTICKED = re.compile(r"`([^`\n]+)`")
 
@@ -136,7 +134,7 @@ def missing_paths(path: Path, root: Path = ROOT) -> list[str]:
     bad = []
     for n, target, is_link in mentions:
         target = re.sub(r":\d+$", "", target.rstrip(".,;:)"))
-        if not target or GENERATED.match(target) or target in PENDING:
+        if not target or GENERATED.match(target):
             continue
         base = path.parent if is_link else root
         if not (base / target).exists():

@@ -118,14 +118,15 @@ def test_2_bad_model_is_one_clear_line_before_anything_loads(
     assert not (tmp_path / "out").exists()
 
 
-def _write_parquet_to(target: str):
-    """DataFrame.write_parquet, redirected to `target` (/dev/full: a real ENOSPC from polars)."""
-    real = pl.DataFrame.write_parquet
+def _write_table_to(target: str):
+    """pyarrow's write_table (the writer's), redirected to `target` for shard 2 (/dev/full: a
+    real ENOSPC from pyarrow)."""
+    real = writer.pq.write_table
 
-    def write(self, path, **kw):
-        if "part-00002" in str(path):
-            return real(self, target, **kw)
-        return real(self, path, **kw)
+    def write(table, where, **kw):
+        if "part-00002" in str(where):
+            return real(table, target, **kw)
+        return real(table, where, **kw)
 
     return write
 
@@ -134,7 +135,7 @@ def test_74_disk_full_names_the_shard_and_keeps_committed_shards(tmp_path, monke
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full to produce a real ENOSPC")
     job = job_of(tmp_path, n=40)
-    monkeypatch.setattr(pl.DataFrame, "write_parquet", _write_parquet_to("/dev/full"))
+    monkeypatch.setattr(writer.pq, "write_table", _write_table_to("/dev/full"))
     res = invoke("run", job)
     assert res.exit_code == 74, res.output
     (line,) = error_lines(res.output)
@@ -162,10 +163,10 @@ def fake_engine_again(monkeypatch, tmp_path) -> None:
 def test_2_permission_denied_names_the_path(tmp_path, monkeypatch):
     job = job_of(tmp_path)
 
-    def denied(self, path, **kw):
-        raise PermissionError(13, "Permission denied", str(path))
+    def denied(table, where, **kw):
+        raise PermissionError(13, "Permission denied", str(where))
 
-    monkeypatch.setattr(pl.DataFrame, "write_parquet", denied)
+    monkeypatch.setattr(writer.pq, "write_table", denied)
     res = invoke("run", job)
     assert res.exit_code == 2, res.output
     (line,) = error_lines(res.output)

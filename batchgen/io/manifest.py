@@ -1,9 +1,10 @@
 """Manifest: the job fingerprint (`_job.json`) and one entry file per committed shard.
 
 One file per shard (`_manifest/part-00003.json`) instead of one shared manifest means that
-concurrent Slurm tasks never read-modify-write the same file, so no update can be lost; each
-file is replaced atomically. A shard counts as committed only if its entry exists, names the
-current fingerprint, and its data file exists with the recorded size and row count (for
+concurrent Slurm tasks never read-modify-write the same file, so no update can be lost. A
+shard's part file and then its entry are published with link() (never replacing a file), so
+the first commit of a shard wins. A shard counts as committed only if its entry exists, names
+the current fingerprint, and its data file exists with the recorded size and row count (for
 Parquet, a readable footer).
 """
 
@@ -18,24 +19,30 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from batchgen.io import atomic
-from batchgen.job import JobError
+from batchgen.io.locks import LOCK_DIR
+from batchgen.io.pieces import PARTIAL_DIR, PIECE
 
 JOB_FILE = "_job.json"
+PLAN_FILE = "_plan.json"
 MANIFEST_DIR = "_manifest"
 SUCCESS_FILE = "_SUCCESS"
 STATS_FILE = "_stats.json"
 KV_SCALES_FILE = (
     "_kv_scales.json"  # FP8 K/V-cache scales a job calibrated (pipeline/kv_scales_file)
 )
-# The exact names batchgen writes: shard files, their manifest entries, and the temp files of
-# either (atomic.temp_path: "." + name + ".tmp-<pid>-<hex>"). Nothing else is ever deleted.
+SHARED_FILES = (JOB_FILE, PLAN_FILE, SUCCESS_FILE, STATS_FILE, KV_SCALES_FILE)
+# The exact names batchgen writes: shard files, their manifest entries, pieces, and the temp
+# files of either (atomic.temp_path: "." + name + ".tmp-<pid>-<hex>"). Nothing else is ever
+# deleted.
 _SHARD = re.compile(r"^part-(\d{5})\.(parquet|jsonl)$")
 _ENTRY = re.compile(r"^part-(\d{5})\.json$")
 _TEMP = re.compile(
-    r"^\.(part-(\d{5})\.(parquet|jsonl|json)|_job\.json|_stats\.json|_kv_scales\.json|_SUCCESS)"
+    r"^\.(part-(\d{5})(\.p\d{4,})?\.(parquet|jsonl|json)|_job\.json|_stats\.json|_kv_scales\.json|_SUCCESS"
+    r"|_plan\.json|[\w.-]+\.lock)"
     + re.escape(atomic.TMP_MARK)
     + r"(?P<pid>\d+)-(?P<token>[0-9a-f]+)$"
 )
+_BROKEN_LOCK = re.compile(r"^[\w.-]+\.lock\.broken-[0-9a-f]+$")
 
 
 def _read_json(path: str) -> dict | None:
@@ -50,21 +57,26 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
+def json_bytes(obj: dict) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
 def planted_links(out_dir: str) -> list[str]:
-    """Symlinks among the names batchgen reads and writes in out_dir (and in its _manifest/):
+    """Symlinks among the names batchgen reads and writes in out_dir and in its _manifest/,
+    _partial/ and _locks/ (the plan, entries, pieces, lock and claim files, temps of each):
     batchgen creates none, and following one would read or write outside the directory."""
     found = []
     if not os.path.isdir(out_dir):
         return found
     for name in os.listdir(out_dir):
         path = os.path.join(out_dir, name)
-        if (name == MANIFEST_DIR or _written_by_batchgen(name)) and os.path.islink(path):
+        if (name in _DIRS or _written_by_batchgen(name)) and os.path.islink(path):
             found.append(path)
-    d = os.path.join(out_dir, MANIFEST_DIR)
-    if os.path.isdir(d) and not os.path.islink(d):
-        for name in os.listdir(d):
+    for sub, ours in _SUBDIR_NAMES.items():
+        d = own_subdir(out_dir, sub)
+        for name in os.listdir(d) if d is not None else []:
             path = os.path.join(d, name)
-            if (_ENTRY.match(name) or _TEMP.match(name)) and os.path.islink(path):
+            if ours(name) and os.path.islink(path):
                 found.append(path)
     return sorted(found)
 
@@ -73,22 +85,22 @@ def check_no_links(out_dir: str) -> None:
     """Raise JobError naming any symlink planted where batchgen reads or writes."""
     links = planted_links(out_dir)
     if links:
-        shown = ", ".join(links[:4]) + (" ..." if len(links) > 4 else "")
-        raise JobError(
-            f"output.path: {shown} is a symlink, which batchgen never creates and does not "
-            "follow inside its output directory; remove it (the file it points to is not "
-            "touched)"
-        )
+        raise atomic.link_refused(", ".join(links[:4]) + (" ..." if len(links) > 4 else ""))
 
 
-def _manifest_dir(out_dir: str) -> str | None:
-    """out_dir/_manifest if it is a real directory (not a symlink), else None."""
-    d = os.path.join(out_dir, MANIFEST_DIR)
+def own_subdir(out_dir: str, name: str) -> str | None:
+    """out_dir/name (_manifest, _partial, _locks) if it is a real directory (not a symlink),
+    else None: nothing is read from, written to or removed in a planted link's target."""
+    d = os.path.join(out_dir, name)
     return d if os.path.isdir(d) and not os.path.islink(d) else None
 
 
+def _manifest_dir(out_dir: str) -> str | None:
+    return own_subdir(out_dir, MANIFEST_DIR)
+
+
 def write_json(path: str, obj: dict) -> None:
-    atomic.write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+    atomic.write_bytes(path, json_bytes(obj))
 
 
 def read_job(out_dir: str) -> dict | None:
@@ -108,6 +120,27 @@ def write_entry(out_dir: str, k: int, entry: dict[str, Any]) -> None:
     if _manifest_dir(out_dir) is None:  # a symlink planted since the run's start
         check_no_links(out_dir)
     write_json(entry_path(out_dir, k), {**entry, "shard": k, "committed_at": time.time()})
+
+
+def publish_entry(out_dir: str, k: int, entry: dict[str, Any]) -> dict:
+    """Create shard k's entry unless one exists; returns the entry in place. An existing
+    entry that does not describe the data file now committed (left by an earlier commit
+    whose data was removed) is replaced: the data file is the commit, the entry its record."""
+    atomic.own_dir(os.path.join(out_dir, MANIFEST_DIR))
+    record = {**entry, "shard": k, "committed_at": time.time()}
+    path = entry_path(out_dir, k)
+    if atomic.publish_bytes(path, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()):
+        return record
+    old = _read_json(path)
+    if old is not None and verify_entry(out_dir, old, str(entry.get("fingerprint"))):
+        return old
+    write_json(path, record)
+    return record
+
+
+def read_entries_of(out_dir: str, k: int) -> dict | None:
+    """Shard k's entry, if present (not verified)."""
+    return _read_json(entry_path(out_dir, k))
 
 
 def read_entries(out_dir: str) -> dict[int, dict]:
@@ -137,9 +170,21 @@ def verify_entry(out_dir: str, entry: dict, fingerprint: str) -> bool:
         return False
 
 
-def committed_shards(out_dir: str, fingerprint: str) -> dict[int, dict]:
-    """Verified entries by shard number."""
-    return {k: e for k, e in read_entries(out_dir).items() if verify_entry(out_dir, e, fingerprint)}
+def committed_shards(out_dir: str, fingerprint: str, only=None) -> dict[int, dict]:
+    """Verified entries by shard number (of the shards `only(k)` is true for, if given)."""
+    entries = read_entries(out_dir)
+    return {
+        k: e
+        for k, e in entries.items()
+        if (only is None or only(k)) and verify_entry(out_dir, e, fingerprint)
+    }
+
+
+def entry_names(out_dir: str) -> set[int]:
+    """Shards with an entry file (one listing, nothing read or verified)."""
+    d = _manifest_dir(out_dir)
+    names = os.listdir(d) if d is not None else []
+    return {int(m.group(1)) for n in names if (m := _ENTRY.match(n))}
 
 
 # A temp of a shared file (_job.json, _stats.json, _SUCCESS) may be another task's write in
@@ -149,45 +194,64 @@ STALE_TEMP_S = 600.0
 
 
 def remove_stray_temps(out_dir: str, owns, now: float | None = None) -> list[str]:
-    """Delete temp files left by a crash: those of shards this task owns (`owns(k) -> bool`:
-    no other task writes them), and those of the shared files once STALE_TEMP_S old or once
-    their writer, a process of this host, has ended."""
+    """Delete temp files left by a crash: those of shards for which `owns(k)` (no other live
+    process writes them: committed shards, shards this process holds the lock of), and the
+    others once STALE_TEMP_S old or once their writer, a process of this host, has ended."""
     now = time.time() if now is None else now
     removed = []
-    for d in (out_dir, _manifest_dir(out_dir)):
+    for d, name, k, pid, token in list_temps(out_dir):
+        path = os.path.join(d, name)
+        stray = k is not None and owns(k)
+        if not stray:
+            try:
+                stray = now - os.path.getmtime(path) > STALE_TEMP_S
+            except OSError:
+                continue  # renamed into place meanwhile
+            stray = stray or (pid is not None and atomic.writer_is_gone(pid, token))
+        if stray:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            removed.append(name)
+    return removed
+
+
+def list_temps(out_dir: str) -> list[tuple[str, str, int | None, int | None, str]]:
+    """(directory, name, shard or None, writer pid, token) of every temp file batchgen may
+    have left in the output directory, its manifest, pieces and locks."""
+    found = []
+    dirs = (out_dir, *(own_subdir(out_dir, d) for d in (MANIFEST_DIR, PARTIAL_DIR, LOCK_DIR)))
+    for d in dirs:
         for name in os.listdir(d) if d is not None and os.path.isdir(d) else []:
             m = _TEMP.match(name)
-            if m is None:
-                continue
-            path = os.path.join(d, name)
-            if m.group(2) is not None:
-                stray = owns(int(m.group(2)))
-            else:
-                try:
-                    stray = now - os.path.getmtime(path) > STALE_TEMP_S
-                except OSError:
-                    continue  # renamed into place meanwhile
-                stray = stray or atomic.writer_is_gone(int(m["pid"]), m["token"])
-            if stray:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    continue
-                removed.append(name)
-    return removed
+            if m is not None:
+                k = int(m.group(2)) if m.group(2) is not None and d != dirs[3] else None
+                found.append((d, name, k, int(m["pid"]), m["token"]))
+            elif d == dirs[3] and _BROKEN_LOCK.match(name):
+                found.append((d, name, None, None, ""))
+    return found
 
 
 def _written_by_batchgen(name: str) -> bool:
     """A file name batchgen writes in the output directory: a shard, a shared file, or a
     temp of either."""
-    return name in (JOB_FILE, SUCCESS_FILE, STATS_FILE, KV_SCALES_FILE) or bool(
-        _SHARD.match(name) or _TEMP.match(name)
-    )
+    return name in SHARED_FILES or bool(_SHARD.match(name) or _TEMP.match(name))
+
+
+_DIRS = (MANIFEST_DIR, PARTIAL_DIR, LOCK_DIR)
+# What batchgen writes inside each subdirectory (planted_links): entries, pieces, locks (the
+# claim mutex and run locks among them), a broken lock set aside, and temps of each.
+_SUBDIR_NAMES = {
+    MANIFEST_DIR: lambda n: bool(_ENTRY.match(n) or _TEMP.match(n)),
+    PARTIAL_DIR: lambda n: bool(PIECE.match(n) or _TEMP.match(n)),
+    LOCK_DIR: lambda n: n.endswith(".lock") or bool(_TEMP.match(n) or _BROKEN_LOCK.match(n)),
+}
 
 
 def foreign_names(out_dir: str) -> list[str]:
     """Entries of out_dir that batchgen does not write (temps included as batchgen's)."""
-    return [n for n in os.listdir(out_dir) if not (n == MANIFEST_DIR or _written_by_batchgen(n))]
+    return [n for n in os.listdir(out_dir) if not (n in _DIRS or _written_by_batchgen(n))]
 
 
 def is_batchgen_dir(out_dir: str) -> bool:
@@ -196,17 +260,29 @@ def is_batchgen_dir(out_dir: str) -> bool:
     )
 
 
+def has_results(out_dir: str) -> bool:
+    """Whether any shard file, entry or piece (of any job) is in the output directory."""
+    if any(_SHARD.match(n) for n in os.listdir(out_dir)):
+        return True
+    for sub, pattern in ((MANIFEST_DIR, _ENTRY), (PARTIAL_DIR, PIECE)):
+        d = os.path.join(out_dir, sub)
+        if os.path.isdir(d) and any(pattern.match(n) for n in os.listdir(d)):
+            return True
+    return False
+
+
 def clear_outputs(out_dir: str) -> None:
     """--overwrite: remove a previous job's outputs, only files with the exact names batchgen
-    writes (a user's `part-00000.jsonl.bak` or other files stay); `_manifest/` goes if that
-    leaves it empty."""
+    writes (a user's `part-00000.jsonl.bak` or other files stay); `_manifest/` and
+    `_partial/` go if that leaves them empty. Lock files stay (live ones are a run's)."""
     for name in os.listdir(out_dir):
         path = os.path.join(out_dir, name)
         if os.path.islink(path):
             continue  # neither a link nor what it points to is ours
-        if name == MANIFEST_DIR and os.path.isdir(path):
+        if name in (MANIFEST_DIR, PARTIAL_DIR) and os.path.isdir(path):
+            pattern = _ENTRY if name == MANIFEST_DIR else PIECE
             for sub in os.listdir(path):
-                if _ENTRY.match(sub) or _TEMP.match(sub):
+                if pattern.match(sub) or _TEMP.match(sub):
                     os.unlink(os.path.join(path, sub))
             if not os.listdir(path):
                 os.rmdir(path)
@@ -216,7 +292,11 @@ def clear_outputs(out_dir: str) -> None:
 
 
 def mark_success_if_complete(out_dir: str, fingerprint: str, num_shards: int) -> bool:
-    """Write `_SUCCESS` if every shard of the job is committed; any task may call this."""
+    """Write `_SUCCESS` if every shard of the job is committed; any task may call this. Only
+    once every entry exists are they read and verified (most tasks of a large array end
+    before the last shard is committed)."""
+    if len(entry_names(out_dir) & set(range(num_shards))) < num_shards:
+        return False
     done = committed_shards(out_dir, fingerprint)
     if any(k not in done for k in range(num_shards)):
         return False

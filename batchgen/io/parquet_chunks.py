@@ -47,13 +47,16 @@ def read_chunks(
     columns: list[str],
     chunk_rows: int,
     max_row_bytes: int | None = None,
+    first_row: int = 0,
 ) -> Iterator[list[Piece]]:
-    """Yields the file's rows as lists of pieces of `chunk_rows` rows in all (the last fewer).
+    """Yields the file's rows from `first_row` on as lists of pieces of `chunk_rows` rows in
+    all (the last fewer).
 
     The row count and row groups come from the footer, which must be readable (the job's
-    column check reads it first); data pages are decoded chunk by chunk. A row whose columns
-    (besides the id) hold more than `max_row_bytes` bytes of text is measured in Arrow and
-    listed in its piece's `too_large`, its values left out of its record.
+    column check reads it first); data pages are decoded chunk by chunk, and only the row
+    groups a chunk's rows lie in are read. A row whose columns (besides the id) hold more
+    than `max_row_bytes` bytes of text is measured in Arrow and listed in its piece's
+    `too_large`, its values left out of its record.
     """
     import polars as pl
 
@@ -61,7 +64,7 @@ def read_chunks(
     names = set(lf.collect_schema().names())
     cols = [id_column] + [c for c in columns if c in names]
     total = lf.select(pl.len()).collect().item()
-    for start in range(0, total, chunk_rows):
+    for start in range(first_row, total, chunk_rows):
         num_rows = min(chunk_rows, total - start)
         try:
             pieces = [_piece(lf, cols, start, num_rows, max_row_bytes)]

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class Position(NamedTuple):
+    """Where an input row starts: what a reader needs to seek straight to it."""
+
+    file: int  # index into the job's input files (sorted path order)
+    offset: int  # JSONL: the line's byte offset; Parquet: the file's row number (0-based)
+    line: int = 0  # JSONL: the line number (1-based), for messages
 
 
 @dataclass
@@ -20,6 +28,7 @@ class InputRow:
     source: str  # "file:line" for messages
     error_code: str | None = None
     error: str | None = None
+    pos: Position | None = None  # where the row starts (a group unit: its first row)
 
 
 @dataclass

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from batchgen.io.readers import Reader
-from batchgen.io.rows import InputRow
+from batchgen.io.rows import InputRow, Position
 from batchgen.job import InputSpec
 
 MEMBERS_KEY = "__members__"  # a group unit's data: its rows as (source, data) pairs
@@ -37,13 +37,32 @@ class GroupReader:
         columns: list[str],
         group_column: str,
         chunk_rows: int = 1024,
+        start: Position | None = None,
+        first_index: int = 0,
+        duplicates: set[int] | None = None,
+        dedup: bool = True,
+        limit: int | None = None,
     ):
-        self.rows = _RowReader(files, replace(spec, id_column=group_column), columns, chunk_rows)
+        spec = replace(spec, id_column=group_column)
+        self.rows = _RowReader(files, spec, columns, chunk_rows, start, dedup=False)
         self.group_column = group_column
-        self._next_index = 0  # units yielded so far (the runner's row total)
+        self._next_index = first_index  # the next unit's index (at the end: the unit total)
+        self.duplicates = duplicates  # the shard plan's duplicate unit indexes
+        self.dedup = dedup and duplicates is None
         self._seen: set[bytes] = set()
+        self.stop_index = None if limit is None else first_index + limit
 
     def __iter__(self) -> Iterator[list[InputRow]]:
+        if self.stop_index is None:
+            yield from self._units()
+            return
+        for units in self._units():
+            if units[-1].index >= self.stop_index:
+                yield [u for u in units if u.index < self.stop_index]
+                return
+            yield units
+
+    def _units(self) -> Iterator[list[InputRow]]:
         group: list[InputRow] = []
         for chunk in self.rows:
             units = []
@@ -70,13 +89,19 @@ class GroupReader:
         data = dict(first.data or {})
         data[MEMBERS_KEY] = [(r.source, r.data or {}) for r in rows]
         unit = self._renumber(replace(first, data=data))
-        key = hashlib.blake2b(str(first.id).encode("utf-8", "surrogatepass"), digest_size=8)
-        if key.digest() in self._seen:
+        if self.duplicates is not None:
+            repeated = unit.index in self.duplicates
+        elif self.dedup:
+            key = hashlib.blake2b(str(first.id).encode("utf-8", "surrogatepass"), digest_size=8)
+            repeated = key.digest() in self._seen
+            self._seen.add(key.digest())
+        else:
+            repeated = False
+        if repeated:
             unit.error_code = "duplicate_id"
             unit.error = (
                 f"{first.source}: group {first.id!r} appeared earlier, not next to these rows; "
                 f"rows of one group must be consecutive (sort the input by "
                 f"{self.group_column!r})"
             )
-        self._seen.add(key.digest())
         return unit

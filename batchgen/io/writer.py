@@ -1,15 +1,25 @@
-"""Writer: one shard's result rows -> part-NNNNN.parquet (or .jsonl), committed atomically."""
+"""Writer: result rows -> encoded shard batches -> part files published exactly once.
+
+A batch holds one shard's (or one piece's) output rows in unit order, as an Arrow table
+(Parquet) or JSON lines (openai-batch), each row tagged with its unit (input row or group)
+index, so pieces committed by earlier runs and rows generated now merge into one shard file in
+input order. Files are written to a temp file and published with atomic.publish (link(): the
+first commit of a name wins, nothing is ever replaced).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from batchgen.io import atomic
+from batchgen.io.arrow_types import MIXED, column_array
 from batchgen.io.openai_batch import output_line
 from batchgen.io.rows import ResultRow
 from batchgen.io.score_rows import ScoreRow
@@ -19,6 +29,12 @@ if TYPE_CHECKING:
 
 # polars is imported in the functions that build frames: importing the writer (the runner, the
 # CLI) must not need it.
+
+# The output's format version, part of the job fingerprint: a directory written by another
+# version (2: passthrough types fixed by the shard plan, partial pieces) is never resumed.
+OUTPUT_VERSION = 2
+UNIT = "_unit"  # a piece file's column (Parquet) or key (JSONL) holding each row's unit index
+META_KEY = b"batchgen"  # Parquet footer metadata: the file's manifest fields, as JSON
 
 
 def shard_file(k: int, fmt: str) -> str:
@@ -30,7 +46,7 @@ class ShardLayout:
     """How result rows become columns.
 
     Args:
-        passthrough: input columns copied through, with their input dtype when known.
+        passthrough: input columns copied through, with the type the shard plan fixed.
         multi: n > 1 layout (text, finish_reason and num_output_tokens are lists).
         fmt: "parquet" or "openai-batch".
         compression: Parquet compression codec ("none" for uncompressed).
@@ -42,7 +58,7 @@ class ShardLayout:
             JSON text; null where the text is no complete JSON value).
     """
 
-    passthrough: tuple[tuple[str, Any], ...] = ()  # (column, polars dtype or None)
+    passthrough: tuple[tuple[str, Any], ...] = ()  # (column, Arrow type, or MIXED/None: text)
     multi: bool = False
     fmt: str = "parquet"
     compression: str = "zstd"
@@ -53,29 +69,12 @@ class ShardLayout:
     parse_json: bool = False
 
 
-def _as_text(value: Any) -> str | None:
-    """A passthrough value as text: strings unchanged, anything else as its JSON text."""
-    if value is None or isinstance(value, str):
-        return value
-    return json.dumps(value, ensure_ascii=False, default=str)
-
-
-def _column(values: list[Any], dtype: Any) -> pl.Series:
-    """A passthrough column: the inputs' own dtype when every input file declares the same one
-    (Parquet), else text. The type never depends on a shard's values, so every shard of a job
-    has one schema, and no value is ever cast to null."""
-    import polars as pl
-
-    if dtype is not None:
-        try:
-            return pl.Series(values=values, dtype=dtype, strict=True)
-        except Exception:
-            pass  # a value its file's dtype cannot hold: keep it, as text
-    return pl.Series(values=[_as_text(v) for v in values], dtype=pl.String)
+def _passthrough(rows: list, name: str, t: Any) -> pa.Array:
+    return column_array([r.passthrough.get(name) for r in rows], MIXED if t is None else t)
 
 
 def to_frame(rows: list[ResultRow], layout: ShardLayout) -> pl.DataFrame:
-    """Result rows as a DataFrame with the contract columns (see README: Output)."""
+    """Result rows as a DataFrame with the contract columns but the passthrough ones."""
     import polars as pl
 
     if layout.mode == "score":
@@ -90,8 +89,6 @@ def to_frame(rows: list[ResultRow], layout: ShardLayout) -> pl.DataFrame:
         return value
 
     cols: dict[str, pl.Series] = {"id": pl.Series("id", [r.id for r in rows], dtype=pl.String)}
-    for name, dtype in layout.passthrough:
-        cols[name] = _column([r.passthrough.get(name) for r in rows], dtype).alias(name)
     cols["text"] = pl.Series("text", [shaped(r.text) for r in rows], dtype=str_t)
     cols["finish_reason"] = pl.Series(
         "finish_reason", [shaped(r.finish_reason) for r in rows], dtype=str_t
@@ -126,15 +123,13 @@ def _parsed(text: str | list[str] | None) -> str | list[str | None] | None:
 
 
 def score_frame(rows: list[ScoreRow], layout: ShardLayout) -> pl.DataFrame:
-    """Score rows as a DataFrame: one row per candidate (see README: Score mode)."""
+    """Score rows as a DataFrame: one row per candidate, passthrough columns aside."""
     import polars as pl
 
     def col(name: str, dtype: Any) -> pl.Series:
         return pl.Series(name, [getattr(r, name) for r in rows], dtype=dtype)
 
     cols = [pl.Series("id", [r.id for r in rows], dtype=pl.String)]
-    for name, dtype in layout.passthrough:
-        cols.append(_column([r.passthrough.get(name) for r in rows], dtype).alias(name))
     cols += [
         col("candidate_index", pl.Int64),
         col("candidate", pl.String),
@@ -153,53 +148,111 @@ def score_frame(rows: list[ScoreRow], layout: ShardLayout) -> pl.DataFrame:
     return pl.DataFrame(cols)
 
 
+def to_table(rows: list, layout: ShardLayout) -> pa.Table:
+    """Output rows as an Arrow table: id, the passthrough columns, then the result columns."""
+    base = to_frame(rows, layout).to_arrow()
+    names = ["id", *(n for n, _ in layout.passthrough), *base.column_names[1:]]
+    arrays = [base.column(0)]
+    arrays += [_passthrough(rows, n, t) for n, t in layout.passthrough]
+    arrays += [base.column(i) for i in range(1, base.num_columns)]
+    return pa.table(arrays, names=names)
+
+
 def _order(r: ResultRow | ScoreRow) -> tuple[int, int]:
     return r.index, getattr(r, "candidate_index", None) or 0
 
 
-def write_shard(out_dir: str, k: int, rows: list[ResultRow], layout: ShardLayout) -> dict:
-    """Write shard k atomically; returns its manifest entry fields (file, rows, size, sha256)."""
+@dataclass
+class Batch:
+    """Encoded output rows in unit order: `table` (Parquet) or `lines` (openai-batch)."""
+
+    units: list[int]  # each row's unit index
+    table: pa.Table | None = None
+    lines: list[dict] | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.units)
+
+
+def encode(rows: list, layout: ShardLayout) -> Batch:
+    """Result rows (ResultRow or ScoreRow) as a batch, sorted by unit (then candidate)."""
     rows = sorted(rows, key=_order)
-    final = os.path.join(out_dir, shard_file(k, layout.fmt))
+    units = [r.index for r in rows]
+    if layout.fmt == "openai-batch":
+        return Batch(units, lines=[output_line(r, layout.model) for r in rows])
+    return Batch(units, table=to_table(rows, layout))
+
+
+def merge(batches: list[Batch]) -> Batch:
+    """One batch of several (disjoint units), in unit order; rows of one unit keep theirs."""
+    units = [u for b in batches for u in b.units]
+    order = sorted(range(len(units)), key=units.__getitem__)  # stable: candidates in order
+    if batches and batches[0].lines is not None:
+        lines = [line for b in batches for line in b.lines or []]
+        return Batch([units[i] for i in order], lines=[lines[i] for i in order])
+    tables = [b.table for b in batches if b.table is not None and b.table.num_rows]
+    if not tables:
+        return batches[0] if batches else Batch([])
+    table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+    return Batch([units[i] for i in order], table=table.take(pa.array(order, pa.int64())))
+
+
+def write_temp(final: str, batch: Batch, layout: ShardLayout, meta: dict, units: bool) -> str:
+    """Write `batch` to a temp file beside `final`; returns the temp's path. `units` keeps
+    each row's unit (a piece, merged later); `meta` goes to a Parquet file's footer."""
     tmp = atomic.temp_path(final)
     try:
-        if layout.fmt == "openai-batch":
+        if batch.lines is not None or layout.fmt == "openai-batch":
             with open(tmp, "w", encoding="utf-8") as f:
-                for r in rows:
-                    f.write(json.dumps(output_line(r, layout.model), ensure_ascii=False) + "\n")
+                for u, line in zip(batch.units, batch.lines or []):
+                    rec = {UNIT: u, "record": line} if units else line
+                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
         else:
-            codec = "uncompressed" if layout.compression == "none" else layout.compression
-            to_frame(rows, layout).write_parquet(tmp, compression=codec)
-        size, sha = _size_and_sha256(tmp)
-        atomic.commit(tmp, final)
+            table = batch.table
+            if units:
+                table = table.append_column(UNIT, pa.array(batch.units, pa.int64()))
+            table = table.replace_schema_metadata({META_KEY: json.dumps(meta, sort_keys=True)})
+            codec = "none" if layout.compression == "none" else layout.compression
+            pq.write_table(table, tmp, compression=codec)
     except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        error = _os_error(e)
-        if error is not None:
-            raise atomic.named(error, final) from e
+        if isinstance(e, OSError):
+            raise atomic.named(_plain(e), final) from e
         raise
-    return {"file": os.path.basename(final), "size": size, "sha256": sha}
+    return tmp
 
 
-_POLARS_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+def _plain(e: OSError) -> OSError:
+    """An OSError in its errno's own words: pyarrow's wraps them ("Error writing bytes to
+    file. Detail: [errno 28] No space left on device") and names no file."""
+    if e.filename is None and e.errno:
+        return OSError(e.errno, os.strerror(e.errno))  # the errno's subclass, e.g. ENOSPC
+    return e
 
 
-def _os_error(e: BaseException) -> OSError | None:
-    """The OSError behind a failed write: itself, or the one polars reports in its message
-    ("... No space left on device (os error 28)"); None for any other failure."""
-    import polars as pl
+def read_batch(path: str, layout: ShardLayout) -> Batch:
+    """A piece file (written with units=True) back as a batch."""
+    if layout.fmt == "openai-batch":
+        with open(path, encoding="utf-8") as f:
+            recs = [json.loads(line) for line in f if line.strip()]
+        return Batch([r[UNIT] for r in recs], lines=[r["record"] for r in recs])
+    table = pq.read_table(path)
+    units = table.column(UNIT).to_pylist()
+    return Batch(units, table=table.drop_columns([UNIT]).replace_schema_metadata(None))
 
-    if isinstance(e, OSError):
-        return e
-    found = _POLARS_OS_ERROR.search(str(e)) if isinstance(e, pl.exceptions.PolarsError) else None
-    if found is None:
+
+def file_meta(path: str) -> dict | None:
+    """The manifest fields a Parquet file carries in its footer, or None."""
+    try:
+        meta = pq.read_schema(path).metadata or {}
+        return json.loads(meta[META_KEY]) if META_KEY in meta else None
+    except Exception:
         return None
-    code = int(found.group(1))
-    return OSError(code, os.strerror(code))
 
 
-def _size_and_sha256(path: str) -> tuple[int, str]:
+def size_and_sha256(path: str) -> tuple[int, str]:
     h = hashlib.sha256()
     size = 0
     with open(path, "rb") as f:
@@ -207,3 +260,22 @@ def _size_and_sha256(path: str) -> tuple[int, str]:
             h.update(chunk)
             size += len(chunk)
     return size, h.hexdigest()
+
+
+def publish_file(final: str, batch: Batch, layout: ShardLayout, meta: dict, units=False):
+    """Write and publish `final` unless it exists. Returns (published, size, sha256)."""
+    tmp = write_temp(final, batch, layout, meta, units)
+    size, sha = size_and_sha256(tmp)
+    return atomic.publish(tmp, final), size, sha
+
+
+def write_shard(
+    out_dir: str, k: int, rows: list, layout: ShardLayout, meta: dict | None = None
+) -> dict:
+    """Write shard k's file (unless it already exists); returns its manifest entry fields
+    (file, size, sha256). Raises FileExistsError if another commit published it first."""
+    final = os.path.join(out_dir, shard_file(k, layout.fmt))
+    published, size, sha = publish_file(final, encode(rows, layout), layout, meta or {})
+    if not published:
+        raise FileExistsError(final)
+    return {"file": os.path.basename(final), "size": size, "sha256": sha}

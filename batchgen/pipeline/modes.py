@@ -37,8 +37,13 @@ class GenerateMode:
         check_columns(files, job.input, columns)
         return columns
 
-    def reader(self, files: list[str], columns: list[str], chunk_rows: int = 1024):
-        return Reader(files, self.job.input, columns, chunk_rows)
+    def reader(self, files: list[str], columns: list[str], chunk_rows: int = 1024, **seek):
+        """The input's rows; `seek`: start, first_index, limit, duplicates, dedup (Reader)."""
+        return Reader(files, self.job.input, columns, chunk_rows, **seek)
+
+    def unit_kind(self) -> str:
+        """What one unit of a shard is (part of the shard plan's key)."""
+        return "rows"
 
     def layout(self, passthrough: tuple[tuple[str, Any], ...], model: str) -> ShardLayout:
         out = self.job.output

@@ -2,31 +2,33 @@
 
 from __future__ import annotations
 
-import math
+import contextlib
 import os
 import sys
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from batchgen.io import manifest
-from batchgen.io.parquet_schema import parquet_schema
+from batchgen.io import locks, manifest, pieces
+from batchgen.io.claim import claim_output
 from batchgen.io.readers import file_format, resolve_inputs
-from batchgen.io.rows import InputRow, ResultRow
-from batchgen.io.writer import ShardLayout, write_shard
+from batchgen.io.rows import InputRow
+from batchgen.io.shard_plan import ShardPlan
+from batchgen.io.writer import OUTPUT_VERSION
 from batchgen.job import JobError, JobSpec
 from batchgen.pipeline import engine_factory as factory
 from batchgen.pipeline import kv_scales_file
 from batchgen.pipeline.fingerprint import fingerprint, fingerprint_parts
 from batchgen.pipeline.job_limits import check_job_limits
+from batchgen.pipeline.job_plan import Stopped, default_workers, ensure_plan
 from batchgen.pipeline.model_source import resolve_job_model
 from batchgen.pipeline.modes import mode_for
 from batchgen.pipeline.progress import Progress
+from batchgen.pipeline.shard_commit import ShardCommitter
+from batchgen.pipeline.shard_loop import ShardLoop
 from batchgen.pipeline.sharding import ShardSelector
 from batchgen.pipeline.signals import EX_TEMPFAIL, GracefulStop, StopFlag
 from batchgen.pipeline.stats import RunStats, job_totals, summary_lines, write_stats
-from batchgen.plan.planner import Request
 from batchgen.plan.prompts import PromptError, PromptRenderer, RenderStopped, TemplateLimits
 
 
@@ -41,35 +43,6 @@ class RunResult:
     lines: list[str] = field(default_factory=list)
 
 
-@dataclass
-class _Shard:
-    k: int
-    rows: int  # input units: rows (or groups, score mode's group layout)
-    results: list[ResultRow]  # or ScoreRows in score mode
-    pending: int
-    admitted: int = 0
-
-
-def passthrough_dtypes(formats: dict[str, str], columns, log) -> list[tuple[str, object]]:
-    """(column, dtype) per passthrough column: the dtype the Parquet inputs declare when all
-    inputs are Parquet and agree on it, else None (written as text, the same in every shard)."""
-    found: dict[str, dict[object, str]] = {c: {} for c in columns}
-    parquet_only = all(fmt == "parquet" for fmt in formats.values())
-    for f in formats if parquet_only else ():
-        schema = parquet_schema(f)
-        for c in columns:
-            if c in schema:
-                found[c].setdefault(schema[c], f)
-    out = []
-    for c in columns:
-        kinds = found[c]
-        if len(kinds) > 1:
-            seen = ", ".join(f"{dtype} in {f}" for dtype, f in kinds.items())
-            log(f"input: column {c!r} has several types ({seen}); it is written as text")
-        out.append((c, next(iter(kinds)) if len(kinds) == 1 else None))
-    return out
-
-
 class Runner:
     """Runs one task of a job (all shards, or those selected by `shard`).
 
@@ -81,8 +54,16 @@ class Runner:
             in engine_factory.py; tests pass fakes).
         stop: the stop flag; stop signals set it while `run` is active.
         progress: show a tqdm bar on stderr.
-        grace_s: after a stop request, how long in-flight shards may take to finish.
+        grace_s: after a stop request, how long requests in the engine may still finish before
+            every finished row is committed and the run exits.
+        checkpoint_s: every this many seconds, the finished rows of unfinished shards are
+            committed as pieces (None: only on a stop), so a SIGKILL loses at most that much.
         max_in_flight: most requests inside the engine (default 4 x max_num_seqs).
+        lease_s: how long a lock of this run stays valid without renewal (renewed every
+            quarter of it); other hosts take over a shard whose holder's lease lapsed.
+        holder: a note for the lock files (e.g. the Slurm job), shown by `batchgen status`.
+        plan_workers: processes that scan the input if this run makes the shard plan
+            (default: the CPUs it may use, at most 16).
         log: where messages go (default stderr).
         template_limits: hard limits on each chat-template render (default TemplateLimits()).
     """
@@ -96,9 +77,13 @@ class Runner:
         tokenizer_factory: Callable[[JobSpec], factory.TokenizerLike] | None = None,
         stop: StopFlag | None = None,
         progress: bool = False,
-        grace_s: float = 20.0,
+        grace_s: float = 5.0,
+        checkpoint_s: float | None = 300.0,
         max_in_flight: int | None = None,
         chunk_rows: int = 1024,
+        lease_s: float = locks.DEFAULT_LEASE_S,
+        holder: str = "",
+        plan_workers: int | None = None,
         log: Callable[[str], None] | None = None,
         template_limits: TemplateLimits | None = None,
     ):
@@ -113,20 +98,29 @@ class Runner:
         self.stop = stop or StopFlag()
         self.progress_enabled = progress
         self.grace_s = grace_s
+        self.checkpoint_s = checkpoint_s
         self.max_in_flight = max_in_flight or 4 * job.model.engine_config().max_num_seqs
         self.chunk_rows = chunk_rows
+        self.lease_s = lease_s
+        self.task = f"{self.shard}{' ' + holder if holder else ''}"
         self.template_limits = template_limits
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.out_dir = job.output.path
+        self.plan_workers = plan_workers
+        self.engine = None
+        self.keeper: locks.LeaseKeeper | None = None
+        self.renderer: PromptRenderer | None = None
 
     # ----------------------------------------------------------------------------- preparation
 
     def prepare(self) -> None:
-        """Every check that needs no model weights; raises JobError. Then claims the out dir."""
+        """Every check that needs no model weights (JobError if one fails), then claim the
+        output directory, read or make the shard plan and find what is committed. Raises
+        Stopped if a stop signal comes first."""
         job = self.job = resolve_job_model(self.job)  # a hub id: its snapshot directory
         self.files = resolve_inputs(job.input.path)
-        self.formats = {f: file_format(f, job.input.format) for f in self.files}
-        self.columns = self.mode.columns(self.files, list(self.formats.values()))
+        self.formats = [file_format(f, job.input.format) for f in self.files]
+        self.columns = self.mode.columns(self.files, self.formats)
         tok = self.tokenizer = self.tokenizer_factory(job)
         if self._check_model:
             # config.json: architecture, lengths, vocabulary (JobError if bad), and the job's
@@ -147,21 +141,53 @@ class Runner:
             raise JobError(f"prompt: {e}") from None
         except RenderStopped:
             pass  # the stop flag ends the run before any row is read
-        self.parts = self.mode.fingerprint_parts(fingerprint_parts(job, self.files, self.log))
+        parts = self.mode.fingerprint_parts(fingerprint_parts(job, self.files, self.log))
+        self.parts = {**parts, "output.version": str(OUTPUT_VERSION)}
         self.fingerprint = fingerprint(self.parts)
         self._check_output_apart()
-        self._claim_output_dir()
-        manifest.remove_stray_temps(self.out_dir, self.shard.owns)
-        self.committed = manifest.committed_shards(self.out_dir, self.fingerprint)
+        if self.stop.is_set():
+            raise Stopped
+        self.keeper = locks.LeaseKeeper(self.lease_s)
+        run_lock = claim_output(
+            self.out_dir, self._job_record(), self.overwrite, self.lease_s, self.task, self.log
+        )
+        self.keeper.add(run_lock)
+        self.plan: ShardPlan = ensure_plan(
+            job,
+            self.mode,
+            self.files,
+            self.formats,
+            self.columns,
+            self.parts["input"],
+            self.stop,
+            self.keeper,
+            self.task,
+            self.log,
+            self.plan_workers or default_workers(),
+        )
+        record = manifest.read_job(self.out_dir) or {}
+        if record.get("num_shards") != self.plan.num_shards:
+            manifest.write_job(self.out_dir, self._job_record(self.plan))
+        for note in self.plan.notes:
+            self.log(note)
+        self.layout = self.mode.layout(tuple(self.plan.columns.items()), job.model.name)
+        self.committer = ShardCommitter(
+            self.out_dir, self.layout, self.fingerprint, self.mode, self.log
+        )
+        self._temps = self._sort_temps()
+        self.committed = manifest.committed_shards(self.out_dir, self.fingerprint, self.shard.owns)
 
     def _check_output_apart(self) -> None:
-        """The output directory (and its _manifest/) must hold no input file: shards, temps and
-        --overwrite would replace or delete it."""
+        """The output directory (and its _manifest/, _partial/) must hold no input file:
+        shards, temps and --overwrite would replace or delete it."""
         out = self.out_dir
         if os.path.exists(out) and not os.path.isdir(out):
             raise JobError(f"output.path: {out!r} exists and is not a directory")
         real_out = os.path.realpath(out)
-        homes = (real_out, os.path.join(real_out, manifest.MANIFEST_DIR))
+        homes = (
+            real_out,
+            *(os.path.join(real_out, d) for d in (manifest.MANIFEST_DIR, pieces.PARTIAL_DIR)),
+        )
         for f in self.files:
             if os.path.dirname(os.path.realpath(f)) in homes:
                 raise JobError(
@@ -169,35 +195,7 @@ class Runner:
                     "directory of its own"
                 )
 
-    def _claim_output_dir(self) -> None:
-        out = self.out_dir
-        os.makedirs(out, exist_ok=True)
-        manifest.check_no_links(out)  # before anything in it is read, written or cleared
-        old = manifest.read_job(out)
-        # Only batchgen's own names (a first run killed mid-write leaves just a temp of
-        # _job.json; a concurrent task may be writing one now) do not make it foreign.
-        if manifest.foreign_names(out) and not manifest.is_batchgen_dir(out):
-            if not self.overwrite:
-                raise JobError(
-                    f"output.path: {out!r} is not empty and holds no batchgen output; choose "
-                    "an empty or new directory, or pass --overwrite"
-                )
-            manifest.clear_outputs(out)
-        elif old is not None and old.get("fingerprint") != self.fingerprint:
-            changed = [k for k, v in self.parts.items() if old.get("parts", {}).get(k) != v]
-            if not self.overwrite:
-                raise JobError(
-                    f"output.path: {out!r} holds results of a different job (changed: "
-                    f"{', '.join(changed) or 'unknown'}); pass --overwrite to discard them, "
-                    "or use another output.path"
-                )
-            self.log(f"--overwrite: discarding old outputs in {out} (changed: {changed})")
-            manifest.clear_outputs(out)
-            old = None
-        if old is None:
-            manifest.write_job(out, self._job_record(None, None))
-
-    def _job_record(self, total_rows: int | None, num_shards: int | None) -> dict:
+    def _job_record(self, plan: ShardPlan | None = None) -> dict:
         return {
             "fingerprint": self.fingerprint,
             "parts": self.parts,
@@ -206,72 +204,40 @@ class Runner:
             "inputs": self.files,
             "shard_rows": self.job.output.shard_rows,
             "format": self.job.output.format,
-            "total_rows": total_rows,
-            "num_shards": num_shards,
+            "total_rows": None if plan is None else plan.num_units,
+            "num_shards": None if plan is None else plan.num_shards,
         }
 
-    # ------------------------------------------------------------------------------- running
+    def _sort_temps(self) -> dict[int, list[str]]:
+        """Remove the temp files no live process can be writing (shared files' temps of ended
+        writers, temps of committed shards); keep the rest by shard, to remove once this run
+        holds that shard's lock."""
+        done = manifest.entry_names(self.out_dir)
+        manifest.remove_stray_temps(self.out_dir, done.__contains__)
+        by_shard: dict[int, list[str]] = {}
+        for d, name, k, _, _ in manifest.list_temps(self.out_dir):
+            if k is not None:
+                by_shard.setdefault(k, []).append(os.path.join(d, name))
+        return by_shard
 
-    def run(self) -> RunResult:
-        """Prepare, then process every owned shard not yet committed."""
-        start = time.monotonic()
-        # Stop signals are caught from start to end: one during preparation also exits 75, and
-        # one while the totals, _SUCCESS and _stats.json are written neither kills the process
-        # mid-write (a temp file left, no _SUCCESS) nor changes the exit code.
-        with GracefulStop(self.stop):
-            self.renderer: PromptRenderer | None = None
-            try:
-                self.prepare()
-                # This task's shards' entries: what it reports and --strict decides on. Other
-                # tasks' rows are theirs to report; a resumed task still counts its earlier
-                # runs'.
-                self.own_entries = {k: e for k, e in self.committed.items() if self.shard.owns(k)}
-                self.stats = RunStats(shards_skipped=len(self.own_entries))
-                self.progress = Progress(self.progress_enabled)
-                self.engine = None
-                self.layout = self._layout()
-                try:
-                    finished = self._loop()
-                finally:
-                    self.progress.close()
-            finally:
-                if self.renderer is not None:
-                    self.renderer.close()  # ends the chat-template worker
-            return self._finish(finished, start)
+    # ------------------------------------------------------------------ what the loop calls
 
-    def _finish(self, finished: bool, start: float) -> RunResult:
-        """Record the job's totals, _SUCCESS if every shard is done, and the run's stats."""
-        self.stats.wall_s = time.monotonic() - start
-        num_shards, complete = None, False
-        if finished:
-            total = self.reader._next_index
-            num_shards = math.ceil(total / self.job.output.shard_rows)
-            manifest.write_job(self.out_dir, self._job_record(total, num_shards))
-            complete = manifest.mark_success_if_complete(self.out_dir, self.fingerprint, num_shards)
-        stats = write_stats(
-            self.out_dir,
-            self.stats,
-            lambda: manifest.committed_shards(self.out_dir, self.fingerprint),
-            str(self.shard),
-        )
-        task_totals = job_totals(self.own_entries)
-        lines = summary_lines(self.stats, task_totals, stats["job"], num_shards, self.shard)
-        if not finished:
-            lines.append(
-                f"interrupted by {self.stop.signal_name}: committed shards are kept; "
-                f"run the same command again to resume (exit {EX_TEMPFAIL})"
-            )
-        code = 0 if finished else EX_TEMPFAIL
-        return RunResult(code, self.stats, stats["job"], task_totals, num_shards, complete, lines)
+    def lock_file(self, k: int) -> str:
+        return locks.lock_path(self.out_dir, f"part-{k:05d}.lock")
 
-    def _layout(self) -> ShardLayout:
-        passthrough = tuple(passthrough_dtypes(self.formats, self.job.input.columns, self.log))
-        return self.mode.layout(passthrough, self.job.model.name)
+    def remove_temps_of(self, k: int) -> None:
+        """Temps of shard k: debris, now that this run holds its lock."""
+        for path in self._temps.pop(k, []):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
-    def _planner(self):
+    def planner(self):
+        """The request planner (loading the model on first use)."""
         if self.engine is None:
             self.log(f"loading model {self.job.model.path} ...")
+            started = time.monotonic()
             self.engine = self.engine_factory(self.job)
+            self.log(f"model loaded in {time.monotonic() - started:.1f} s")
             # The engine's own limits: rows it would refuse become error records up front; and
             # its grammar compiler, so a shard's new constraints compile as it is planned.
             check = getattr(self.engine, "check_structured_outputs", None)
@@ -318,120 +284,116 @@ class Runner:
             raise JobError("model.calibrate_kv_scales: no input row gives a prompt to calibrate on")
         return [ids for _, ids in sorted(prompts, key=lambda p: p[0])[:count]]
 
-    def _loop(self) -> bool:
-        """Feed, step and commit until done (True) or stopped (False)."""
-        self.reader = self.mode.reader(self.files, self.columns, self.chunk_rows)
-        self._chunks = iter(self.reader)
-        self._buffer: tuple[int, list[InputRow]] | None = None
-        self._queue: deque[tuple[int, Request]] = deque()
-        self._open: dict[int, _Shard] = {}
-        self._in_flight: dict[str, tuple[int, Request]] = {}
-        self._dropped = False  # a stop dropped shards that were never started
-        input_done = False
-        deadline = None
-        while True:
-            if self.stop.is_set() and deadline is None:
-                deadline = time.monotonic() + self.grace_s
-                self.log(
-                    f"{self.stop.signal_name}: no new rows; finishing in-flight shards "
-                    f"(up to {self.grace_s:.0f} s)"
-                )
-                self._drop_unstarted_shards()
-            while (
-                deadline is None
-                and not input_done
-                and not self.stop.is_set()
-                and len(self._queue) < self.max_in_flight
-            ):
-                input_done = not self._read_chunk()
-            self._admit(stopping=deadline is not None)
-            if not self._in_flight:
-                if deadline is not None:
-                    # Finished only if the stop dropped nothing: shards read but never
-                    # started are still owed (exit 75, so a scheduler requeues the task).
-                    return input_done and not self._open and not self._dropped
-                if input_done:
-                    return not self._dropped  # a stop may have dropped the last shard
-                continue
-            for out in self.engine.step():
-                k, req = self._in_flight.pop(out.request_id)
-                self._add_results(k, self.mode.results(req, out))
-            if deadline is not None and time.monotonic() > deadline:
-                if self._open:
-                    self.log(f"abandoning {len(self._open)} unfinished shard(s) uncommitted")
-                return False
+    def read_shard(self, k: int) -> list[InputRow]:
+        """Shard k's units, read from its position in the shard plan."""
+        first, stop = self.plan.shard_units(k)
+        # One chunk: the shard is held whole anyway, and a Parquet chunk decodes every row
+        # group it touches (chunks smaller than a row group would decode it again and again).
+        reader = self.mode.reader(
+            self.files,
+            self.columns,
+            max(self.chunk_rows, stop - first),
+            start=self.plan.starts[k],
+            first_index=first,
+            limit=stop - first,
+            duplicates=self.plan.duplicates_in(k),
+        )
+        units = [u for chunk in reader for u in chunk]
+        if len(units) != stop - first:
+            raise RuntimeError(
+                f"shard {k}: read {len(units)} of its {stop - first} rows; the input changed "
+                "since the shard plan was made (run again to plan anew)"
+            )
+        return units
 
-    def _read_chunk(self) -> bool:
-        """Read one input chunk into shard buffers; False at the end of the input."""
-        chunk = next(self._chunks, None)
-        if chunk is None:
-            self._close_buffer()
-            return False
-        size = self.job.output.shard_rows
-        for row in chunk:
-            k = row.index // size
-            if not self.shard.owns(k) or k in self.committed:
-                continue
-            if self._buffer is None or self._buffer[0] != k:
-                self._close_buffer()
-                self._buffer = (k, [])
-            self._buffer[1].append(row)
-        if self._buffer is not None and len(self._buffer[1]) == size:
-            self._close_buffer()
-        return True
+    def committed_by_entry(self, k: int) -> bool:
+        entry = manifest.read_entries_of(self.out_dir, k)
+        return entry is not None and manifest.verify_entry(self.out_dir, entry, self.fingerprint)
 
-    def _close_buffer(self) -> None:
-        """A shard's rows are all read: plan it and queue its requests."""
-        if self._buffer is None:
-            return
-        k, rows = self._buffer
-        self._buffer = None
-        try:
-            plan = self._planner().plan(rows)
-        except RenderStopped:  # a stop killed the chat template mid-shard: the shard is owed
-            self._dropped = True
-            return
-        self._open[k] = _Shard(k, len(rows), list(plan.errors), len(plan.requests))
-        self.progress.update(len({e.index for e in plan.errors}), 0)
-        self._queue.extend((k, r) for r in plan.requests)
-        if not plan.requests:
-            self._commit(k)
-
-    def _admit(self, stopping: bool) -> None:
-        while self._queue and len(self._in_flight) < self.max_in_flight:
-            k, req = self._queue[0]
-            if stopping and (k not in self._open or self._open[k].admitted == 0):
-                break
-            self._queue.popleft()
-            rid = f"{k}/{req.index}"
-            self._in_flight[rid] = (k, req)
-            self._open[k].admitted += 1
-            self.mode.submit(self.engine, rid, req)
-
-    def _drop_unstarted_shards(self) -> None:
-        unstarted = [k for k, s in self._open.items() if s.admitted == 0]
-        # (A buffer still filling means the input is not done: that run is unfinished anyway.)
-        self._dropped = self._dropped or bool(unstarted)
-        self._buffer = None
-        for k in unstarted:
-            del self._open[k]
-        self._queue = deque((k, r) for k, r in self._queue if k in self._open)
-
-    def _add_results(self, k: int, results: list[ResultRow]) -> None:
-        """The output rows of one finished request (one, or one per candidate)."""
-        shard = self._open[k]
-        shard.results += results
-        shard.pending -= 1
-        self.progress.update(1, self.mode.totals(results)["num_generated_tokens"])
-        if shard.pending == 0:
-            self._commit(k)
-
-    def _commit(self, k: int) -> None:
-        shard = self._open.pop(k)
-        self.mode.check(k, shard.rows, shard.results)
-        entry = write_shard(self.out_dir, k, shard.results, self.layout)
-        entry.update(fingerprint=self.fingerprint, rows=shard.rows)
-        entry.update(self.mode.totals(shard.results))  # score mode: rows = rows in the file
-        manifest.write_entry(self.out_dir, k, entry)
+    def note_committed(self, k: int, entry: dict | None = None, new: dict | None = None) -> None:
+        """Shard k is committed (by this run when `new` holds this run's counters)."""
+        if entry is None:
+            entry = manifest.read_entries_of(self.out_dir, k) or {}
         self.own_entries[k] = entry
-        self.stats.add_shard(entry)
+        if new:
+            self.stats.add_rows(new)
+            self.stats.shards_committed += 1
+        else:
+            self.stats.shards_skipped += 1
+
+    def note_piece(self, k: int, entry: dict, rows: list) -> None:
+        self.stats.add_rows(entry)
+        self.stats.pieces_committed += 1
+
+    # ------------------------------------------------------------------------------- running
+
+    def run(self) -> RunResult:
+        """Prepare, then process every owned shard not yet committed."""
+        start = time.monotonic()
+        # Stop signals are caught from start to end: one during preparation also exits 75, and
+        # one while the totals, _SUCCESS and _stats.json are written neither kills the process
+        # mid-write (a temp file left, no _SUCCESS) nor changes the exit code.
+        with GracefulStop(self.stop):
+            try:
+                try:
+                    self.prepare()
+                except Stopped:
+                    return self._stopped_early(start)
+                # This task's shards' entries: what it reports and --strict decides on. Other
+                # tasks' rows are theirs to report; a resumed task counts its earlier runs'.
+                self.own_entries = dict(self.committed)
+                self.stats = RunStats(shards_skipped=len(self.own_entries))
+                owned = [k for k in range(self.plan.num_shards) if self.shard.owns(k)]
+                todo = [k for k in owned if k not in self.committed]
+                units = sum(self.plan.shard_units(k)[1] - self.plan.shard_units(k)[0] for k in todo)
+                self.progress = Progress(self.progress_enabled, total=units)
+                try:
+                    finished = ShardLoop(self, todo).run()
+                finally:
+                    self.progress.close()
+                return self._finish(finished, start)
+            finally:
+                if self.renderer is not None:
+                    self.renderer.close()  # ends the chat-template worker
+                if self.keeper is not None:
+                    self.keeper.close()
+                    locks.tidy(self.out_dir, self.lease_s)
+
+    def _job_entries(self) -> dict[int, dict]:
+        """Every shard entry of this job (read, not verified: for the totals only)."""
+        entries = manifest.read_entries(self.out_dir)
+        return {k: e for k, e in entries.items() if e.get("fingerprint") == self.fingerprint}
+
+    def _stopped_early(self, start: float) -> RunResult:
+        stats = RunStats(wall_s=time.monotonic() - start)
+        lines = [
+            f"interrupted by {self.stop.signal_name} before any shard was started; run the same "
+            f"command again (exit {EX_TEMPFAIL})"
+        ]
+        empty = job_totals({})
+        return RunResult(EX_TEMPFAIL, stats, empty, empty, None, False, lines)
+
+    def _finish(self, finished: bool, start: float) -> RunResult:
+        """Record _SUCCESS if every shard is done, and the run's stats."""
+        self.stats.wall_s = time.monotonic() - start
+        num_shards = self.plan.num_shards
+        complete = False
+        if finished:
+            complete = manifest.mark_success_if_complete(self.out_dir, self.fingerprint, num_shards)
+            if complete:
+                pieces.remove_superseded(self.out_dir, set(range(num_shards)))
+        stats = write_stats(self.out_dir, self.stats, self._job_entries, str(self.shard))
+        task_totals = job_totals(self.own_entries)
+        lines = summary_lines(self.stats, task_totals, stats["job"], num_shards, self.shard)
+        if self.plan.mixed_columns:
+            lines.append(
+                f"written as text (their values mix kinds): {', '.join(self.plan.mixed_columns)}"
+            )
+        if not finished:
+            lines.append(
+                f"interrupted by {self.stop.signal_name}: committed shards and the finished rows "
+                f"of unfinished ones are kept; run the same command again to resume "
+                f"(exit {EX_TEMPFAIL})"
+            )
+        code = 0 if finished else EX_TEMPFAIL
+        return RunResult(code, self.stats, stats["job"], task_totals, num_shards, complete, lines)

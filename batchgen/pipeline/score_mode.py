@@ -48,10 +48,15 @@ class ScoreMode:
             return replace(self.job.input, id_column=self.spec.group_column)
         return self.job.input
 
-    def reader(self, files: list[str], columns: list[str], chunk_rows: int = 1024):
+    def reader(self, files: list[str], columns: list[str], chunk_rows: int = 1024, **seek):
+        """The input's units; `seek`: start, first_index, limit, duplicates, dedup."""
         if self.spec.grouped:
-            return GroupReader(files, self.job.input, columns, self.spec.group_column, chunk_rows)
-        return Reader(files, self.job.input, columns, chunk_rows)
+            group = self.spec.group_column
+            return GroupReader(files, self.job.input, columns, group, chunk_rows, **seek)
+        return Reader(files, self.job.input, columns, chunk_rows, **seek)
+
+    def unit_kind(self) -> str:
+        return f"groups of {self.spec.group_column}" if self.spec.grouped else "rows"
 
     def layout(self, passthrough: tuple[tuple[str, Any], ...], model: str) -> ShardLayout:
         return ShardLayout(

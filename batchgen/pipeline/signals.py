@@ -20,14 +20,23 @@ class StopFlag:
         self._event = threading.Event()
         self.signal_name: str | None = None
         self.at: float | None = None
+        # Rows the run has finished, counted by the runner; read at the signal's moment
+        # (handlers run in the main thread, between the runner's statements).
+        self.rows_done = 0
+        self.rows_done_at_stop: int | None = None
 
     def set(self, name: str = "stop") -> None:
         if not self._event.is_set():
             self.signal_name, self.at = name, time.monotonic()
+            self.rows_done_at_stop = self.rows_done
         self._event.set()
 
     def is_set(self) -> bool:
         return self._event.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to `timeout` seconds, waking at once if the flag is set."""
+        return self._event.wait(timeout)
 
 
 class GracefulStop:

@@ -21,14 +21,19 @@ class RunStats:
     num_generated_tokens: int = 0
     shards_committed: int = 0
     shards_skipped: int = 0
+    pieces_committed: int = 0  # partial shards committed on a stop
     wall_s: float = 0.0
 
+    def add_rows(self, totals: dict) -> None:
+        """Counters of rows this run generated (a shard's new rows, or a piece's)."""
+        self.rows_ok += totals.get("ok", 0)
+        self.rows_error += totals.get("errors", 0)
+        self.num_prompt_tokens += totals.get("num_prompt_tokens", 0)
+        self.num_cached_tokens += totals.get("num_cached_tokens", 0)
+        self.num_generated_tokens += totals.get("num_generated_tokens", 0)
+
     def add_shard(self, entry: dict) -> None:
-        self.rows_ok += entry["ok"]
-        self.rows_error += entry["errors"]
-        self.num_prompt_tokens += entry["num_prompt_tokens"]
-        self.num_cached_tokens += entry["num_cached_tokens"]
-        self.num_generated_tokens += entry["num_generated_tokens"]
+        self.add_rows(entry)
         self.shards_committed += 1
 
     @property
@@ -109,6 +114,11 @@ def summary_lines(
         f"this run: {run.rows_ok + run.rows_error} rows in {run.wall_s:.1f} s, "
         f"{run.tokens_per_s:.1f} generated tok/s",
     ]
+    if run.pieces_committed:
+        lines.append(
+            f"partial: {run.pieces_committed} unfinished shard(s) keep their finished rows as "
+            "pieces (in _partial/) until a resumed run completes them"
+        )
     if shard.count > 1:
         total = num_shards if num_shards is not None else "?"
         lines.append(

@@ -8,7 +8,7 @@ import json
 import pytest
 from workspace import rows, write_jsonl
 
-from batchgen.io.readers import Reader, bounded_lines
+from batchgen.io.readers import Reader, bounded_lines, lines_from
 from batchgen.io.score_reader import GroupReader
 from batchgen.job import InputSpec
 
@@ -53,6 +53,23 @@ def test_bounded_lines_never_reads_a_long_line_whole():
     got = list(bounded_lines(Recording(data), 100))
     assert got == [(1, b"short", 5), (2, None, 10_000_000), (3, b"last-no-newline", 15)]
     assert Recording.largest <= 1 << 20
+
+
+def test_a_line_of_exactly_the_limit_after_a_bom_is_one_line():
+    # The BOM is no content: a first line of `limit` bytes after it is whole, not cut in two.
+    data = b"\xef\xbb\xbf" + b"a" * 100 + b"\r\n" + b"b" * 101 + b"\n" + b"c" * 100
+    got = list(bounded_lines(io.BytesIO(data), 100))
+    assert got == [(1, b"a" * 100, 100), (2, None, 101), (3, b"c" * 100, 100)]
+
+
+def test_lines_from_an_offset_are_the_lines_read_from_the_start():
+    data = b"\xef\xbb\xbf{}\n\n" + b"x" * 50 + b"\n" + b"yy\r\nzzz"
+    whole = list(lines_from(io.BytesIO(data), 10))
+    assert [(n, c, size) for n, _, c, size in whole] == list(bounded_lines(io.BytesIO(data), 10))
+    for i, (n, offset, _, _) in enumerate(whole):  # a reader seeking to a line's start
+        assert list(lines_from(io.BytesIO(data), 10, offset, n)) == whole[i:]
+        stop = whole[i + 1][1] if i + 1 < len(whole) else None
+        assert list(lines_from(io.BytesIO(data), 10, offset, n, stop)) == [whole[i]]
 
 
 def test_parquet_text_columns_over_the_limit_keep_their_id(tmp_path):

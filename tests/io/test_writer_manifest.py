@@ -123,3 +123,21 @@ def test_shared_file_temp_of_an_ended_writer_on_this_host_goes_at_once(tmp_path)
     name = os.path.basename(atomic.temp_path(str(tmp_path / "_SUCCESS")))
     assert name.startswith(f"._SUCCESS.tmp-{os.getpid()}-{tag}")
     assert manifest._TEMP.match(name)
+
+
+def test_a_failed_parquet_write_names_the_shard_in_the_errnos_words(tmp_path, monkeypatch):
+    # pyarrow's own error for a full disk (as pq.write_table raises it on /dev/full): errno
+    # 28, no file name, its words wrapped in Arrow's.
+    from batchgen.io import writer
+
+    def full(table, where, **kw):
+        raise OSError(28, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+
+    monkeypatch.setattr(writer.pq, "write_table", full)
+    with pytest.raises(OSError) as got:
+        write_shard(str(tmp_path), 2, results(), ShardLayout((("topic", None),)))
+    e = got.value
+    assert e.errno == 28
+    assert e.filename == str(tmp_path / "part-00002.parquet")
+    assert e.strerror == "No space left on device"
+    assert os.listdir(tmp_path) == []  # the temp file is gone

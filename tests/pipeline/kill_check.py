@@ -32,7 +32,7 @@ def check_rows(out: Path, expected: Expected) -> None:
     num_shards = -(-len(expected) // SHARD_ROWS)
     parts = [f"part-{k:05d}.parquet" for k in range(num_shards)]
     manifest = [f"_manifest/part-{k:05d}.json" for k in range(num_shards)]
-    kept = {"_SUCCESS", "_job.json", "_stats.json", *parts, *manifest}
+    kept = {"_SUCCESS", "_job.json", "_plan.json", "_stats.json", *parts, *manifest}
     assert sorted(listing(out)) == sorted(kept)
     got: Expected = []
     for name in parts:

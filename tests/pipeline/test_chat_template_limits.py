@@ -53,7 +53,7 @@ def test_a_hung_template_row_is_a_template_error_and_the_others_run(tmp_path):
 
 def test_stop_during_a_hung_render_exits_75_at_once_and_resumes(tmp_path):
     data = rows(12)
-    data[9]["text"] = "bad row"  # shard 2 (rows 8-11) hangs; shards 0 and 1 commit first
+    data[9]["text"] = "bad row"  # shard 2 (rows 8-11) hangs; shards 0 and 1 are rendered
     job = chat_job(tmp_path, data, HANG_ON_BAD)
     stop = StopFlag()
     runner = Runner(
@@ -71,14 +71,13 @@ def test_stop_during_a_hung_render_exits_75_at_once_and_resumes(tmp_path):
         time.sleep(0.5)  # the worker is inside the endless loop now
         stop.set("SIGTERM")
 
-    close_buffer = runner._close_buffer
+    read_shard = runner.read_shard
 
-    def recording_close_buffer():
-        if runner._buffer is not None:
-            planner_calls.append(runner._buffer[0])
-        close_buffer()
+    def recording_read_shard(k):  # a shard's rows are read, then rendered
+        planner_calls.append(k)
+        return read_shard(k)
 
-    runner._close_buffer = recording_close_buffer
+    runner.read_shard = recording_read_shard
     threading.Thread(target=stop_when_rendering_shard_2, daemon=True).start()
     start = time.monotonic()
     result = runner.run()

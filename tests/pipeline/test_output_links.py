@@ -94,3 +94,61 @@ def test_manifest_reads_never_follow_links(tmp_path):
     with pytest.raises(JobError, match="_manifest is a symlink"):
         manifest.write_entry(str(out), 0, {"file": "part-00000.parquet"})
     assert snapshot(other) == before
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "_plan.json",
+        "_locks",
+        "_partial",
+        "_locks/_claim.lock",
+        "_locks/part-00000.lock",
+        "_locks/.part-00000.lock.tmp-1-abc",
+        "_partial/part-00000.p0001.json",
+        "_partial/part-00000.p0001.parquet",
+    ],
+)
+def test_links_at_plan_lock_claim_and_piece_names_are_refused(tmp_path, name):
+    write_jsonl(tmp_path / "in.jsonl", rows(30))
+    job = load(make_job(tmp_path, "in.jsonl"))
+    other = elsewhere(tmp_path)
+    before = snapshot(other)
+    link = tmp_path / "out" / name
+    link.parent.mkdir(parents=True, exist_ok=True)
+    is_dir = name in ("_locks", "_partial")
+    link.symlink_to(other if is_dir else other / "part-00000.json", target_is_directory=is_dir)
+    with pytest.raises(JobError, match=rf"out/{name} is a symlink, which batchgen never"):
+        run(job)
+    assert snapshot(other) == before
+    assert os.path.islink(link)  # not ours to remove either
+    link.unlink()
+    assert run(job).complete
+    assert read_output("out")["id"].to_list() == [r["id"] for r in rows(30)]
+
+
+def test_plan_lock_and_piece_code_never_follows_links(tmp_path):
+    # Defence in depth, for links planted after the run's start check.
+    from batchgen.io import locks, pieces
+    from batchgen.io.shard_plan import read_plan
+    from batchgen.io.writer import Batch, ShardLayout
+
+    out = tmp_path / "out"
+    out.mkdir()
+    other = elsewhere(tmp_path)
+    (other / "x.lock").write_text(json.dumps(locks.holder_record("shard")))
+    before = snapshot(other)
+    (out / "_plan.json").symlink_to(other / "part-00000.json")
+    assert read_plan(str(out)) is None
+    for sub in ("_locks", "_partial"):
+        (out / sub).symlink_to(other, target_is_directory=True)
+    assert locks.list_locks(str(out)) == []
+    assert pieces.list_pieces(str(out), "f") == {}
+    pieces.remove_pieces(str(out), 0)
+    pieces.remove_superseded(str(out), {0, 1})
+    assert manifest.remove_stray_temps(str(out), lambda k: True, now=1e12) == []
+    with pytest.raises(JobError, match="_locks is a symlink"):
+        locks.try_acquire(locks.lock_path(str(out), "part-00000.lock"), "shard")
+    with pytest.raises(JobError, match="_partial is a symlink"):
+        pieces.commit_piece(str(out), 0, Batch([0], lines=[{}]), ShardLayout(), {})
+    assert snapshot(other) == before

@@ -141,9 +141,9 @@ def test_two_shard_tasks_are_disjoint_and_cover_the_input(tmp_path):
     assert read_output("out")["id"].to_list() == [r["id"] for r in data]
 
 
-def test_stop_that_drops_unstarted_shards_is_not_success(tmp_path):
-    # The stop arrives just after the whole input was read, while whole shards still wait in
-    # the queue: those are dropped uncommitted, so the run must exit 75 (requeue), not 0.
+def test_stop_that_leaves_unstarted_shards_is_not_success(tmp_path):
+    # The stop arrives while shard 1 is read, with shards 2-11 never opened: the finished rows
+    # of the open shards are kept, and the run must exit 75 (requeue), not 0.
     data = rows(60)
     write_jsonl(tmp_path / "in.jsonl", data)
     job = load(make_job(tmp_path, "in.jsonl", output={"shard_rows": 5}))
@@ -156,25 +156,25 @@ def test_stop_that_drops_unstarted_shards_is_not_success(tmp_path):
         max_in_flight=8,
         chunk_rows=7,
     )
-    dropped = []
-    read_chunk = runner._read_chunk
+    read_shard = runner.read_shard
 
-    def read_then_stop() -> bool:
-        more = read_chunk()
-        unstarted = [k for k, s in runner._open.items() if s.admitted == 0]
-        if not more and unstarted and not stop.is_set():
-            dropped.extend(unstarted)
+    def read_then_stop(k: int):
+        if k == 1:
             stop.set("SIGTERM")
-        return more
+        return read_shard(k)
 
-    runner._read_chunk = read_then_stop
+    runner.read_shard = read_then_stop
     first = runner.run()
-    assert dropped
     assert first.exit_code == 75 and not first.complete
     assert any("interrupted by SIGTERM" in line for line in first.lines)
+    assert first.stats.shards_committed + first.stats.pieces_committed >= 1
     again = run(job)
     assert again.exit_code == 0 and again.complete
     assert read_output("out")["id"].to_list() == [r["id"] for r in data]
+    assert sorted(os.listdir("out")) == [
+        "_SUCCESS", "_job.json", "_manifest", "_plan.json", "_stats.json",
+        *(f"part-{k:05d}.parquet" for k in range(12)),
+    ]  # fmt: skip
 
 
 def test_resume_skips_committed_shards(tmp_path):
@@ -260,6 +260,7 @@ def test_sigterm_while_writing_success_is_caught(tmp_path, monkeypatch):
         "_SUCCESS",
         "_job.json",
         "_manifest",
+        "_plan.json",
         "_stats.json",
         "part-00000.parquet",
     ]

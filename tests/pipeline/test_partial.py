@@ -1,0 +1,263 @@
+"""A stop keeps every finished row: pieces of unfinished shards, merged on resume."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from fake_engine import FakeEngine, FakeTokenizer
+from workspace import load, make_job, read_output, rows, write_jsonl
+
+from batchgen.io import pieces
+from batchgen.pipeline.runner import Runner
+from batchgen.pipeline.shard_commit import ShardCommitter
+from batchgen.pipeline.signals import StopFlag
+
+# The GPU machine has no polars (it runs only `pytest -m gpu`): there this module is skipped
+# at collection.
+pl = pytest.importorskip("polars", reason="polars (a runtime dependency) is not installed")
+
+
+@pytest.fixture(autouse=True)
+def _cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+
+class StoppingEngine(FakeEngine):
+    """A FakeEngine that raises the stop flag after `after` steps (a signal mid-run)."""
+
+    def __init__(self, stop: StopFlag, after: int, **kw):
+        super().__init__(**kw)
+        self.stop_flag, self.after = stop, after
+
+    def step(self):
+        if self.stats.num_steps == self.after:
+            self.stop_flag.set("SIGTERM")
+        return super().step()
+
+
+def run(job, engine=None, **kw):
+    engine = engine or FakeEngine(max_model_len=256, max_num_seqs=8)
+    return Runner(
+        job, engine_factory=lambda j: engine, tokenizer_factory=lambda j: FakeTokenizer(), **kw
+    ).run()
+
+
+def piece_units(out: str = "out") -> set[int]:
+    fp = json.load(open(os.path.join(out, "_job.json")))["fingerprint"]
+    found = pieces.list_pieces(out, fp)
+    return {u for ps in found.values() for p in ps for u in p.units}
+
+
+def reference(tmp_path, data, **job_kw) -> pl.DataFrame:
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    write_jsonl(ref / "in.jsonl", data)
+    os.chdir(ref)
+    try:
+        run(load(make_job(ref, "in.jsonl", **job_kw)))
+        return read_output("out")
+    finally:
+        os.chdir(tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "openai-batch"])
+def test_stop_commits_finished_rows_and_resume_generates_only_the_rest(tmp_path, fmt):
+    data = rows(300)
+    job_kw = {"output": {"shard_rows": 100, "format": fmt}}
+    if fmt == "openai-batch":
+        data = [
+            {"custom_id": r["id"], "url": "/v1/completions", "body": {"prompt": r["text"]}}
+            for r in data
+        ]
+        job_kw.update(prompt=None, input={"path": "in.jsonl", "columns": []})
+    write_jsonl(tmp_path / "in.jsonl", data)
+    job = load(make_job(tmp_path, "in.jsonl", **job_kw))
+    stop = StopFlag()
+    engine = StoppingEngine(stop, after=20, max_model_len=256, max_num_seqs=8)
+    first = run(job, engine, stop=stop, max_in_flight=16)
+    assert first.exit_code == 75 and not first.complete
+    done_at_stop = stop.rows_done_at_stop
+    kept = piece_units()
+    assert first.stats.pieces_committed == 1 and done_at_stop > 0
+    assert len(kept) >= done_at_stop  # every row finished before the signal, and more
+    assert len(kept) == first.stats.rows_ok + first.stats.rows_error
+    assert not (tmp_path / "out/part-00000.parquet").exists()
+    # The resume generates exactly the rows no piece holds.
+    again_engine = FakeEngine(max_model_len=256, max_num_seqs=8)
+    again = run(job, again_engine)
+    assert again.exit_code == 0 and again.complete
+    generated = {int(rid.split("/")[1]) for rid in again_engine.added}
+    assert generated == set(range(300)) - kept
+    assert sorted(os.listdir("out")) == [
+        "_SUCCESS", "_job.json", "_manifest", "_plan.json", "_stats.json",
+        *(f"part-{k:05d}.{'jsonl' if fmt == 'openai-batch' else 'parquet'}" for k in range(3)),
+    ]  # fmt: skip
+    if fmt == "parquet":
+        want = reference(tmp_path, data, **job_kw)
+        got = read_output("out")
+        assert got.drop("num_cached_tokens").equals(want.drop("num_cached_tokens"))
+    else:
+        lines = [
+            json.loads(x)
+            for k in range(3)
+            for x in (tmp_path / f"out/part-{k:05d}.jsonl").read_text().splitlines()
+        ]
+        assert [x["custom_id"] for x in lines] == [r["custom_id"] for r in data]
+        assert all("_unit" not in x and x["response"]["status_code"] == 200 for x in lines)
+
+
+def test_overlapping_late_piece_is_ignored(tmp_path):
+    # A holder that lost its lock (paused past its lease) may commit a piece holding rows a
+    # later piece holds too: the first piece of each row is used, the overlapping one ignored.
+    data = rows(40)
+    write_jsonl(tmp_path / "in.jsonl", data)
+    job = load(make_job(tmp_path, "in.jsonl", output={"shard_rows": 20}))
+    assert run(job).complete
+    runner = Runner(
+        job, engine_factory=lambda j: FakeEngine(), tokenizer_factory=lambda j: FakeTokenizer()
+    )
+    runner.prepare()
+    runner.keeper.close()
+    whole = read_output("out")
+    os.unlink("out/part-00001.parquet")
+    os.unlink("out/_manifest/part-00001.json")
+    os.unlink("out/_SUCCESS")
+    # Shard 1's results, generated by hand, committed as three pieces.
+    plan = runner.planner().plan(runner.read_shard(1))
+    assert not plan.errors
+    engine = FakeEngine()
+    for req in plan.requests:
+        engine.add_request(str(req.index), req.prompt_token_ids, req.params)
+    by_index = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            req = next(r for r in plan.requests if str(r.index) == out.request_id)
+            by_index[req.index] = runner.mode.results(req, out)[0]
+    committer = ShardCommitter("out", runner.layout, runner.fingerprint, runner.mode, print)
+    committer.commit_piece(1, [by_index[i] for i in range(20, 30)])
+    committer.commit_piece(1, [by_index[i] for i in range(25, 35)])  # overlaps: ignored whole
+    committer.commit_piece(1, [by_index[i] for i in range(35, 38)])
+    assert len(os.listdir("out/_partial")) == 6
+    engine = FakeEngine(max_model_len=256, max_num_seqs=8)
+    assert run(job, engine).complete
+    assert sorted(int(rid.split("/")[1]) for rid in engine.added) == [30, 31, 32, 33, 34, 38, 39]
+    assert read_output("out").drop("num_cached_tokens").equals(whole.drop("num_cached_tokens"))
+    assert not os.path.exists("out/_partial")
+
+
+def test_part_file_published_without_its_entry_is_adopted(tmp_path):
+    # A crash between publishing a part file and its entry: the next run adopts the file
+    # (its footer names the job and the shard) instead of generating the shard again.
+    data = rows(60)
+    write_jsonl(tmp_path / "in.jsonl", data)
+    job = load(make_job(tmp_path, "in.jsonl", output={"shard_rows": 20}))
+    assert run(job).complete
+    entry = json.load(open("out/_manifest/part-00001.json"))
+    os.unlink("out/_manifest/part-00001.json")
+    os.unlink("out/_SUCCESS")
+    engine = FakeEngine()
+    again = run(job, engine)
+    assert again.complete and engine.added == []
+    adopted = json.load(open("out/_manifest/part-00001.json"))
+    for key in ("file", "size", "sha256", "rows", "ok", "num_generated_tokens", "fingerprint"):
+        assert adopted[key] == entry[key], key
+
+
+class SlowEngine(FakeEngine):
+    """A FakeEngine whose steps take `delay` seconds of a fake clock (no real sleeping)."""
+
+    def __init__(self, clock: list[float], delay: float, **kw):
+        super().__init__(**kw)
+        self.clock, self.delay = clock, delay
+
+    def step(self):
+        self.clock[0] += self.delay
+        return super().step()
+
+
+def test_checkpoints_commit_finished_rows_while_a_shard_runs(tmp_path, monkeypatch):
+    # A SIGKILL gives no grace: checkpoints are what bound its loss. Every 10 s of (fake)
+    # time the finished rows of the open shard become a piece; the shard's part file then
+    # merges them, and nothing is generated twice.
+    from batchgen.pipeline import shard_loop
+
+    clock = [0.0]
+    monkeypatch.setattr(shard_loop.time, "monotonic", lambda: clock[0])
+    data = rows(200)
+    write_jsonl(tmp_path / "in.jsonl", data)
+    job = load(make_job(tmp_path, "in.jsonl", output={"shard_rows": 200}))
+    engine = SlowEngine(clock, 1.0, max_model_len=256, max_num_seqs=4)
+    logs: list[str] = []
+    result = Runner(
+        job, engine_factory=lambda j: engine, tokenizer_factory=lambda j: FakeTokenizer(),
+        checkpoint_s=10.0, max_in_flight=8, log=logs.append,
+    ).run()  # fmt: skip
+    assert result.complete and result.stats.pieces_committed >= 5
+    assert sorted(int(rid.split("/")[1]) for rid in engine.added) == list(range(200))
+    assert any(f"{result.stats.pieces_committed} piece(s) merged" in m for m in logs)
+    assert read_output("out")["id"].to_list() == [r["id"] for r in data]
+    assert not os.path.exists("out/_partial")
+
+
+def test_a_run_that_failed_at_model_load_does_not_block_the_fixed_job(tmp_path):
+    # The first run claims the directory, then its model fails to load: nothing committed.
+    # After fixing the model (a different fingerprint), the rerun proceeds.
+    from batchgen.job import JobError
+
+    write_jsonl(tmp_path / "in.jsonl", rows(30))
+    job_file = make_job(tmp_path, "in.jsonl")
+    job = load(job_file)
+
+    def broken(j):
+        raise JobError("model: model.safetensors is truncated")
+
+    with pytest.raises(JobError, match="truncated"):
+        Runner(job, engine_factory=broken, tokenizer_factory=lambda j: FakeTokenizer()).run()
+    assert os.path.exists("out/_job.json") and not os.path.exists("out/_locks")
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "fake", "fixed": true}')
+    logs: list[str] = []
+    result = run(load(job_file), log=logs.append)
+    assert result.complete
+    assert any("committed nothing" in m and "changed: model" in m for m in logs)
+
+
+def test_score_mode_stop_and_resume_keeps_every_candidate_once(tmp_path):
+    # Score mode writes one row per candidate: a piece holds whole units (all candidates).
+    data = [
+        {
+            "id": f"q{i:03d}",
+            "topic": "t",
+            "question": f"question {i}?",
+            "choices": ["yes", "no", "a cat"][: 2 + i % 2],
+        }
+        for i in range(120)
+    ]
+    write_jsonl(tmp_path / "in.jsonl", data)
+    job = load(
+        make_job(
+            tmp_path, "in.jsonl", mode="score", sampling=None,
+            prompt={"template": "Q: {question}\nA:"},
+            score={"candidates_column": "choices", "separator": " "},
+            output={"shard_rows": 60},
+        )
+    )  # fmt: skip
+    want = reference(tmp_path, data, mode="score", sampling=None,
+                     prompt={"template": "Q: {question}\nA:"},
+                     score={"candidates_column": "choices", "separator": " "},
+                     output={"shard_rows": 60})  # fmt: skip
+    stop = StopFlag()
+    engine = StoppingEngine(stop, after=6, max_model_len=256, max_num_seqs=4)
+    first = run(job, engine, stop=stop, max_in_flight=8)
+    assert first.exit_code == 75 and first.stats.pieces_committed >= 1
+    kept = piece_units()
+    again_engine = FakeEngine(max_model_len=256, max_num_seqs=8)
+    assert run(job, again_engine).complete
+    assert {int(rid.split("/")[1]) for rid in again_engine.added} == set(range(120)) - kept
+    got = read_output("out")
+    assert got.height == sum(len(r["choices"]) for r in data)
+    assert got.drop("num_cached_tokens").equals(want.drop("num_cached_tokens"))
+    entries = [json.load(open(f"out/_manifest/part-{k:05d}.json")) for k in range(2)]
+    assert [e["units"] for e in entries] == [60, 60]
+    assert sum(e["rows"] for e in entries) == got.height
