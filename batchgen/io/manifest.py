@@ -42,7 +42,7 @@ _TEMP = re.compile(
     + re.escape(atomic.TMP_MARK)
     + r"(?P<pid>\d+)-(?P<token>[0-9a-f]+)$"
 )
-_BROKEN_LOCK = re.compile(r"^[\w.-]+\.lock\.broken-[0-9a-f]+$")
+_BROKEN_LOCK = re.compile(r"^[\w.-]+\.lock\.(broken-[0-9a-f]+|breaking)$")
 
 
 def _read_json(path: str) -> dict | None:
