@@ -1,12 +1,15 @@
 """The models' projections: y = x @ W^T (`linear`) and residual += x @ W^T (`add_linear_`), through
 a cuBLASLt algorithm registered for the exact shape (batchgen.layers.gemm_tuning registers the
 ones that beat cuBLAS), else through torch (F.linear / addmm: cuBLAS's own pick; always on CPU).
+A 4-bit weight (its packed int32 tensor, batchgen.layers.int4_linear) runs its layer's product.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from batchgen.layers.int4_linear import int4_linear
 
 # (rows, N, K, weight K-major, accumulate, x row stride, dtype, device index) -> (product, algo)
 _TUNED: dict[tuple, tuple] = {}
@@ -46,6 +49,8 @@ def _tuned(x: torch.Tensor, weight: torch.Tensor, accumulate: bool):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N]."""
+    if weight.dtype == torch.int32:
+        return int4_linear(x, weight.int4_layer, bias)
     entry = _tuned(x, weight, False) if bias is None else None
     if entry is None:
         return F.linear(x, weight, bias)
@@ -56,6 +61,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def add_linear_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """residual [M, N] += x [M, K] @ weight [N, K]^T in place (the GEMM's beta = 1); returns
     residual."""
+    if weight.dtype == torch.int32:
+        return int4_linear(x, weight.int4_layer, residual=residual)
     ok = residual.is_contiguous() and residual.dtype == x.dtype
     entry = _tuned(x, weight, True) if ok else None
     if entry is None:

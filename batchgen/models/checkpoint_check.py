@@ -5,14 +5,18 @@ anything loads, so a config that does not belong to its weights (a vocabulary of
 the layers, another hidden size) is refused in milliseconds with the file, tensor and config
 keys named, instead of after allocating the model it describes. Pickle checkpoints have no
 header to read: only their config's bounds are checked here; the loader checks the shapes.
+A checkpoint with a 4-bit quantization_config (batchgen/models/int4) has its format's tensors
+checked in place of the 16-bit weights of the modules it quantizes; any other
+quantization_config is refused by name.
 """
 
 from __future__ import annotations
 
 import os
 
-from batchgen.models.config import ModelConfig
+from batchgen.models.config import ModelConfig, read_json_object
 from batchgen.models.errors import ModelLoadError
+from batchgen.models.int4.checkpoint import Int4Checkpoint, read_int4_checkpoint
 from batchgen.models.safetensors_header import TensorInfo, read_header
 from batchgen.models.weight_files import find_weight_files
 
@@ -78,14 +82,33 @@ def checkpoint_headers(path: str, allow_pickle: bool = False) -> dict[str, Tenso
     return tensors
 
 
-def check_checkpoint(path: str, config: ModelConfig, allow_pickle: bool = False) -> None:
+def check_checkpoint(
+    path: str, config: ModelConfig, allow_pickle: bool = False
+) -> Int4Checkpoint | None:
     """Raise ModelLoadError unless the weights in `path` are exactly what `config` describes:
-    every tensor present once, with the expected shape and a float dtype, and no other."""
+    every tensor present once, with the expected shape and a float dtype, and no other.
+
+    Returns:
+        The checkpoint's 4-bit modules and scheme when config.json has a (supported)
+        quantization_config, else None.
+    """
+    source = os.path.join(path, "config.json")
+    qc = read_json_object(source).get("quantization_config")
     tensors = checkpoint_headers(path, allow_pickle)
     if tensors is None:
-        return
-    source = os.path.join(path, "config.json")
+        if qc is not None:
+            raise ModelLoadError(f"{path}: quantized checkpoints load from safetensors files only")
+        return None
     expected = expected_shapes(config)
+    quant = None
+    if qc is not None:
+        projections = {n: s for n, (s, _) in expected.items() if len(s) == 2 and "embed" not in n}
+        try:
+            quant = read_int4_checkpoint(qc, source, projections, tensors)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+        for module in quant.modules:
+            del expected[module + ".weight"]
     for name, (shape, keys) in expected.items():
         info = tensors.get(name)
         if info is None:
@@ -109,10 +132,14 @@ def check_checkpoint(path: str, config: ModelConfig, allow_pickle: bool = False)
             f"{_layers_in(tensors)} layer(s)): {_names(missing)}"
         )
     tied_copy = "lm_head.weight" if config.tie_word_embeddings else None
+    known = quant.tensors if quant is not None else set()
     unused = [
         n
         for n in tensors
-        if n not in expected and n != tied_copy and not n.endswith("rotary_emb.inv_freq")
+        if n not in expected
+        and n not in known
+        and n != tied_copy
+        and not n.endswith("rotary_emb.inv_freq")
     ]
     if unused:
         raise ModelLoadError(
@@ -120,6 +147,7 @@ def check_checkpoint(path: str, config: ModelConfig, allow_pickle: bool = False)
             f"describe (a {config.architecture} of {config.num_hidden_layers} layer(s)): "
             f"{_names(unused)}"
         )
+    return quant
 
 
 def _layers_in(tensors: dict[str, TensorInfo]) -> int:

@@ -214,8 +214,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model.layers[0].norms_folded if len(self.model.layers) else False
 
     def can_fold_norms(self) -> bool:
-        """Folding needs bias-free qkv and gate_up projections: a bias is added after the
-        row scale, which would scale it too."""
+        """Folding needs bias-free, 16-bit qkv and gate_up projections: a bias is added after
+        the row scale, which would scale it too."""
+        folded = [p for layer in self.model.layers
+                  for p in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)]  # fmt: skip
+        if any(not p.weight.is_floating_point() for p in folded):
+            return False  # 4-bit weights: a norm weight does not fold into group scales
         return not (self.config.qkv_bias or self.config.mlp_bias)
 
     @torch.no_grad()
@@ -268,19 +272,21 @@ class LlamaForCausalLM(nn.Module):
             if leaf == "lm_head" and self.config.tie_word_embeddings:
                 continue
             weight = module.weight
+            if not weight.is_floating_point():
+                continue  # a 4-bit layer's packed weight keeps its layout
             if weight.dim() == 2 and weight.stride(0) != 1:  # not K-major yet
                 weight.data = weight.data.t().contiguous().t()  # [N, K] with strides (1, N)
 
     def projection_groups(self) -> list[tuple[list[torch.Tensor], bool]]:
         """The decoder's projections for layers.linear.tune_projections: per projection, its
         weight in every layer and whether the model adds it into the residual stream (o and
-        down with folded norms). Projections with a bias are left out (torch runs them)."""
+        down with folded norms). Projections with a bias or 4-bit weights are left out."""
         groups = []
         for attr, path in (("qkv_proj", "self_attn"), ("o_proj", "self_attn"),
                            ("gate_up_proj", "mlp"), ("down_proj", "mlp")):  # fmt: skip
             mods = [getattr(getattr(layer, path), attr) for layer in self.model.layers]
-            if any(m.bias is not None for m in mods):
-                continue
+            if any(m.bias is not None or not m.weight.is_floating_point() for m in mods):
+                continue  # torch runs biased projections; 4-bit ones run their own kernels
             accumulate = attr in ("o_proj", "down_proj") and self.norms_folded
             groups.append(([m.weight for m in mods], accumulate))
         return groups

@@ -8,6 +8,8 @@ from torch import nn
 from batchgen.models.checkpoint_check import check_checkpoint
 from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
+from batchgen.models.int4.materialize import materialize_
+from batchgen.models.int4.plan import Int4LoadPlan
 from batchgen.models.registry import model_class
 from batchgen.models.weight_files import find_weight_files
 from batchgen.models.weights import iter_tensors
@@ -52,11 +54,21 @@ def load_model(
     """
     config = ModelConfig.from_dir(path)
     # The weights' headers against the config before the model it describes is allocated.
-    check_checkpoint(path, config, allow_pickle)
+    int4 = check_checkpoint(path, config, allow_pickle)
     device = torch.device(device)
-    model = build_model(config, resolve_dtype(dtype, config, device), device)
+    dtype = resolve_dtype(dtype, config, device)
     files = find_weight_files(path, allow_pickle)
-    load_weights(model, iter_tensors(files))
+    if int4 is None:
+        model = build_model(config, dtype, device)
+        load_weights(model, iter_tensors(files))
+        return model, config
+    # 4-bit projections: never allocated in 16 bits (built on meta, swapped, materialized).
+    plan = Int4LoadPlan(int4, device, dtype)
+    model = build_model(config, dtype, torch.device("meta"))
+    plan.prepare(model)
+    materialize_(model, device, config)
+    load_weights(model, plan.tensors(iter_tensors(files)))
+    plan.finish(model)
     return model, config
 
 

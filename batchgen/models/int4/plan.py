@@ -1,0 +1,140 @@
+"""Int4LoadPlan: what the loader does for a 4-bit checkpoint around loading the weights.
+
+`prepare(model)` swaps each projection the checkpoint stores in 4 bits for an Int4Linear (fused
+q/k/v and gate/up stay fused: all of their parts must be 4-bit); `tensors(stream)` passes the
+16-bit tensors on to the loader and keeps each module's format tensors until the module is
+complete, then converts it (on the model's device) into the packed layout; a fused projection is
+set once all its parts are converted, concatenated along the output dim; `finish(model)` checks
+that every 4-bit projection was filled and no format tensor was left over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from batchgen.layers.int4_linear import Int4Linear, PackedInt4, concat_outputs
+from batchgen.models.errors import ModelLoadError
+from batchgen.models.int4 import awq, compressed_tensors, gptq
+from batchgen.models.int4.checkpoint import Int4Checkpoint
+
+
+def projections(model: nn.Module) -> list[tuple[str, nn.Module, list[str]]]:
+    """(our name, module, its HF module names in shard order) of every nn.Linear; a tied LM
+    head (the embedding table) is left out."""
+    inverse: dict[str, list[str]] = {}
+    for hf_part, (ours, shard) in model.packed_modules.items():
+        inverse.setdefault(ours, [""] * len(model.shard_sizes(ours)))[shard] = hf_part
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    out = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or (tied and name == "lm_head"):
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        parts = inverse.get(leaf)
+        out.append((name, module, [f"{prefix}.{p}" for p in parts] if parts else [name]))
+    return out
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+class Int4LoadPlan:
+    """Loads a checkpoint's 4-bit projections into Int4Linear layers on `device`."""
+
+    def __init__(self, checkpoint: Int4Checkpoint, device: torch.device, dtype: torch.dtype):
+        self.ckpt = checkpoint
+        self.device, self.dtype = device, dtype
+        self.layers: dict[str, Int4Linear] = {}  # our module name -> its layer
+        self.shards: dict[str, tuple[str, int]] = {}  # HF module -> (our module, shard)
+        self.parts: dict[str, list[PackedInt4 | None]] = {}  # our module -> converted parts
+        self.stash: dict[str, dict[str, torch.Tensor]] = {}  # HF module -> suffix -> tensor
+
+    def prepare(self, model: nn.Module) -> None:
+        """Replace every projection the checkpoint stores in 4 bits with an Int4Linear."""
+        src = self.ckpt.source
+        for name, linear, hf_names in projections(model):
+            four = [h for h in hf_names if h in self.ckpt.modules]
+            if not four:
+                continue
+            if len(four) != len(hf_names):
+                plain = [h for h in hf_names if h not in self.ckpt.modules]
+                raise ModelLoadError(
+                    f"{src}: {', '.join(four)} {'is' if len(four) == 1 else 'are'} 4-bit but "
+                    f"{', '.join(plain)} {'is' if len(plain) == 1 else 'are'} not; batchgen runs "
+                    "them as one fused projection, which needs all of them 4-bit"
+                )
+            layer = Int4Linear(
+                linear.in_features, linear.out_features, linear.bias is not None,
+                device=self.device, dtype=self.dtype,
+            )  # fmt: skip
+            _replace(model, name, layer)
+            self.layers[name] = layer
+            self.parts[name] = [None] * len(hf_names)
+            for i, h in enumerate(hf_names):
+                self.shards[h] = (name, i)
+        unplaced = sorted(set(self.ckpt.modules) - set(self.shards))
+        if unplaced:
+            raise ModelLoadError(
+                f"{src}: the checkpoint stores {', '.join(unplaced)} in 4 bits, but this model "
+                "runs it in 16 bits"
+            )
+
+    def tensors(self, stream) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """The stream without the format's tensors, which convert the modules as they complete."""
+        suffixes = self.ckpt.scheme.suffixes
+        for file, name, tensor in stream:
+            module, _, suffix = name.rpartition(".")
+            if module not in self.shards or suffix not in suffixes:
+                yield file, name, tensor
+                continue
+            held = self.stash.setdefault(module, {})
+            held[suffix] = tensor.to(self.device)
+            if self._complete(module, held):
+                self._convert(file, module, self.stash.pop(module))
+
+    def _complete(self, module: str, held: dict[str, torch.Tensor]) -> bool:
+        scheme = self.ckpt.scheme
+        optional = {s for s in scheme.suffixes if f"{module}.{s}" in self.ckpt.tensors}
+        return all(s in held for s in set(scheme.required) | optional)
+
+    def _convert(self, file: str, module: str, held: dict[str, torch.Tensor]) -> None:
+        scheme = self.ckpt.scheme
+        try:
+            if scheme.method == "gptq":
+                packed = gptq.to_packed(held, scheme.group_size, scheme.v1_zeros, module)
+            elif scheme.method == "awq":
+                packed = awq.to_packed(held, scheme.group_size, module)
+            else:
+                packed = compressed_tensors.to_packed(
+                    held, scheme.group_size, scheme.symmetric, module
+                )
+        except ValueError as e:
+            raise ModelLoadError(f"{file}: {e}") from None
+        ours, shard = self.shards[module]
+        parts = self.parts[ours]
+        parts[shard] = packed
+        if all(p is not None for p in parts):
+            layer = self.layers[ours]
+            try:
+                fused = concat_outputs(parts, ours) if len(parts) > 1 else parts[0]
+                layer.set_packed(fused)
+            except ValueError as e:
+                raise ModelLoadError(f"{self.ckpt.source}: {e}") from None
+            self.parts[ours] = []  # done; the layer holds the tensors
+
+    def finish(self, model: nn.Module) -> None:
+        """Every 4-bit projection filled, no format tensor left over."""
+        if self.stash:
+            module, held = next(iter(self.stash.items()))
+            raise ModelLoadError(
+                f"{self.ckpt.source}: {module} is missing some of its {self.ckpt.scheme.method} "
+                f"tensors (has {', '.join(sorted(held))})"
+            )
+        empty = [name for name, parts in self.parts.items() if parts]
+        if empty:
+            raise ModelLoadError(f"{self.ckpt.source}: 4-bit tensors missing for {empty[0]}")
