@@ -154,10 +154,10 @@ class TemplateProcess:
     def _ensure_started(self) -> None:
         if self._proc is not None or self.compile_error is not None:
             return
-        import batchgen
-
         env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(batchgen.__file__)))
+        # The directory holding the batchgen package (this file is batchgen/plan/*.py), so the
+        # worker imports the same code even when batchgen runs from a checkout.
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         proc = subprocess.Popen(
             [sys.executable, "-m", "batchgen.plan.template_worker"],
