@@ -23,6 +23,7 @@ _BLOCK_N = 256
 def _int4_dequant_kernel(
     qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, N, stride_qk, stride_sg, stride_ok,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
 ):  # fmt: skip
     # Program (pk, pn): layout rows [pk*BK, +BK), columns [pn*BN, +BN); BK divides GROUP.
     pid_k = tl.program_id(0)
@@ -38,9 +39,12 @@ def _int4_dequant_kernel(
     shifts = tl.arange(0, 8) * 4
     q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
     g = k0 // GROUP
-    z = tl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    w = (q.to(tl.float32) - z[None, :]) * s[None, :]  # [BK, BN]
+    if HAS_ZEROS:
+        z = tl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        w = (q.to(tl.float32) - z[None, :]) * s[None, :]  # [BK, BN]
+    else:
+        w = (q - 8).to(tl.float32) * s[None, :]
     rows = k0 + tl.arange(0, BLOCK_K)
     if HAS_PERM:
         rows = tl.load(perm_ptr + rows)
@@ -51,7 +55,7 @@ def _int4_dequant_kernel(
 def dequantize_int4(
     qweight: torch.Tensor,
     scales: torch.Tensor,
-    zeros: torch.Tensor,
+    zeros: torch.Tensor | None,
     group_size: int,
     dtype: torch.dtype,
     perm: torch.Tensor | None = None,
@@ -60,7 +64,8 @@ def dequantize_int4(
     """The packed weight as a [K, N] matrix of `dtype` in input-channel order, Triton kernel.
 
     Args:
-        qweight, scales, zeros, group_size, perm: the packed layout (contiguous tensors).
+        qweight, scales, zeros, group_size, perm: the packed layout (contiguous tensors; zeros
+            None: symmetric, zero point 8).
         dtype: bf16 / fp16 / fp32; each element is (q - zero) * scale in fp32, rounded once.
         out: optional [K, N] of `dtype` with contiguous rows to write into.
     """
@@ -74,15 +79,16 @@ def dequantize_int4(
         raise ValueError(f"{op}: out must be [{k}, {n}] {dtype} with contiguous rows")
     check_dtype(op, "out", out)
     for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
-        if not t.is_contiguous():
+        if t is not None and not t.is_contiguous():
             raise ValueError(f"{op}: {name} must be contiguous")
-    check_launchable(op, qweight, scales, zeros, out, *([perm] if perm is not None else []))
+    check_launchable(op, qweight, scales, out, *[t for t in (zeros, perm) if t is not None])
     grid = (k // _BLOCK_K, triton.cdiv(n, _BLOCK_N))
     _int4_dequant_kernel[grid](
-        qweight, scales, zeros, perm if perm is not None else qweight, out, n,
+        qweight, scales, zeros if zeros is not None else scales,
+        perm if perm is not None else qweight, out, n,
         qweight.stride(0), scales.stride(0), out.stride(0),
         GROUP=group_size, BLOCK_K=_BLOCK_K, BLOCK_N=_BLOCK_N, HAS_PERM=perm is not None,
-        num_warps=8,
+        HAS_ZEROS=zeros is not None, num_warps=8,
     )  # fmt: skip
     return out
 
@@ -90,7 +96,7 @@ def dequantize_int4(
 def dequantize_int4_ordered_ref(
     qweight: torch.Tensor,
     scales: torch.Tensor,
-    zeros: torch.Tensor,
+    zeros: torch.Tensor | None,
     group_size: int,
     dtype: torch.dtype,
     perm: torch.Tensor | None = None,

@@ -3,7 +3,8 @@ scales and zero points per K-group, dequantized in registers: Triton kernel, lau
 
 The layout (batchgen's one int4 layout, into which every checkpoint format is converted at load):
     qweight [K / 8, N] int32: bits 4j .. 4j + 3 of qweight[i, n] hold q[8i + j, n], 0 .. 15;
-    scales [K / G, N] and zeros [K / G, N] (float, the scales' dtype; zeros are integers 0 .. 16);
+    scales [K / G, N] and zeros [K / G, N] (float, the scales' dtype; zeros are integers 0 .. 16;
+    None for symmetric weights, whose zero point is 8 everywhere: nothing to read);
     W[n, k] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n];
     perm [K] int64 or None: the layout's column k holds input channel perm[k], so the product
     reads x[:, perm] (act-order checkpoints, sorted into group order at load).
@@ -46,8 +47,8 @@ def _int4_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, res_ptr, bias_ptr,
     M, N, K, stride_xm, stride_qk, stride_sg, stride_om, stride_rm, stride_os, k_per_split,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PARTIAL: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ADD_RES: tl.constexpr, F32: tl.constexpr,
+    PARTIAL: tl.constexpr, HAS_PERM: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ADD_RES: tl.constexpr, F32: tl.constexpr,
 ):  # fmt: skip
     # Grid (N tiles, M tiles, splits). Program (pn, pm, ps): rows [pm*BM, +BM), columns
     # [pn*BN, +BN), K range [ps*k_per_split, +k_per_split) (a multiple of BLOCK_K).
@@ -79,9 +80,12 @@ def _int4_gemm_kernel(
         # Nibble j of packed row i is layout row 8i + j: [BK / 8, 8, BN] -> [BK, BN].
         q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
         g = k0 // GROUP
-        z = tl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        b = q.to(tl.float32) - z[None, :]  # [BK, BN] integers -16 .. 15
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            b = q.to(tl.float32) - z[None, :]  # [BK, BN] integers -16 .. 15
+        else:
+            b = (q - 8).to(tl.float32)
         if BLOCK_M >= 16:
             if F32:
                 part = tl.dot(a, b, input_precision="ieee")
@@ -129,7 +133,7 @@ def check_layout(
     op: str,
     qweight: torch.Tensor,
     scales: torch.Tensor,
-    zeros: torch.Tensor,
+    zeros: torch.Tensor | None,
     group_size: int,
     perm: torch.Tensor | None = None,
 ) -> tuple[int, int]:
@@ -141,14 +145,16 @@ def check_layout(
     if group_size <= 0 or k % group_size:
         raise ValueError(f"{op}: group_size {group_size} must divide K={k}")
     groups = k // group_size
-    if scales.shape != (groups, n) or zeros.shape != (groups, n):
+    zshape = tuple(zeros.shape) if zeros is not None else (groups, n)
+    if scales.shape != (groups, n) or zshape != (groups, n):
         raise ValueError(
             f"{op}: scales and zeros must be [K/G, N] = [{groups}, {n}], got "
-            f"{tuple(scales.shape)} and {tuple(zeros.shape)}"
+            f"{tuple(scales.shape)} and {zshape}"
         )
-    if not scales.is_floating_point() or zeros.dtype != scales.dtype:
+    zdtype = zeros.dtype if zeros is not None else scales.dtype
+    if not scales.is_floating_point() or zdtype != scales.dtype:
         raise ValueError(f"{op}: scales and zeros must share one float dtype, got "
-                         f"{scales.dtype} and {zeros.dtype}")  # fmt: skip
+                         f"{scales.dtype} and {zdtype}")  # fmt: skip
     if perm is not None and (perm.shape != (k,) or perm.dtype != torch.int64):
         raise ValueError(f"{op}: perm must be [K] = [{k}] int64, got {perm.dtype} "
                          f"{tuple(perm.shape)}")  # fmt: skip
@@ -173,7 +179,7 @@ def int4_gemm(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
-    zeros: torch.Tensor,
+    zeros: torch.Tensor | None,
     group_size: int,
     config: GemmConfig,
     perm: torch.Tensor | None = None,
@@ -184,7 +190,8 @@ def int4_gemm(
 
     Args:
         x: [M, K] bf16 / fp16 / fp32, rows contiguous.
-        qweight, scales, zeros, group_size, perm: the packed weight (contiguous tensors).
+        qweight, scales, zeros, group_size, perm: the packed weight (contiguous tensors; zeros
+            None: symmetric, zero point 8).
         config: tiles, split-K and launch options (batchgen.layers.int4_tuning picks them).
         bias: [N] or None, added in fp32 before the one rounding.
         residual: [M, N] of x's dtype with contiguous rows, or None: when given, the result is
@@ -197,7 +204,7 @@ def int4_gemm(
                          f"{tuple(x.shape)} strides {x.stride()}")  # fmt: skip
     check_dtype(op, "x", x)
     for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
-        if not t.is_contiguous():
+        if t is not None and not t.is_contiguous():
             raise ValueError(f"{op}: {name} must be contiguous")
     check_config(op, config, k, group_size)
     m = x.shape[0]
@@ -207,8 +214,8 @@ def int4_gemm(
                              f"rows, got {tuple(residual.shape)} {residual.dtype}")  # fmt: skip
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"{op}: bias must be [{n}], got {tuple(bias.shape)}")
-    extra = [t for t in (perm, bias, residual) if t is not None]
-    check_launchable(op, x, qweight, scales, zeros, *extra)
+    extra = [t for t in (zeros, perm, bias, residual) if t is not None]
+    check_launchable(op, x, qweight, scales, *extra)
     out = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -221,12 +228,14 @@ def int4_gemm(
     partial = split > 1
     target = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if partial else out
     _int4_gemm_kernel[grid](
-        x, qweight, scales, zeros, perm if perm is not None else qweight, target,
+        x, qweight, scales, zeros if zeros is not None else scales,
+        perm if perm is not None else qweight, target,
         residual if residual is not None else out, bias if bias is not None else scales,
         m, n, k, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else 0, m * n, k_per_split,
         GROUP=group_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=bk,
-        PARTIAL=partial, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
+        PARTIAL=partial, HAS_PERM=perm is not None, HAS_ZEROS=zeros is not None,
+        HAS_BIAS=bias is not None,
         ADD_RES=residual is not None, F32=x.dtype == torch.float32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
@@ -260,20 +269,22 @@ def pack_int4_ref(q: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_int4_ref(
-    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
 ) -> torch.Tensor:
-    """The weight in the layout's K order, [K, N] float32: (q - zero) * scale per group."""
+    """The weight in the layout's K order, [K, N] float32: (q - zero) * scale per group (zero 8
+    where zeros is None)."""
     check_layout("dequantize_int4_ref", qweight, scales, zeros, group_size)
     q = unpack_int4_ref(qweight).float()
     g = torch.arange(q.shape[0], device=q.device) // group_size
-    return (q - zeros.float()[g]) * scales.float()[g]
+    z = zeros.float()[g] if zeros is not None else 8.0
+    return (q - z) * scales.float()[g]
 
 
 def int4_gemm_ref(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
-    zeros: torch.Tensor,
+    zeros: torch.Tensor | None,
     group_size: int,
     perm: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,

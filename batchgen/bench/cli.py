@@ -60,6 +60,23 @@ from batchgen.models.presets import PRESET_NAMES
     show_default=True,
     help="auto: bfloat16 on GPU, float32 on CPU.",
 )
+@click.option(
+    "--quantization",
+    type=click.Choice(["gptq"]),
+    default=None,
+    help="gptq: the preset's projections as random 4-bit GPTQ tensors (built on the device, "
+    "converted as a checkpoint's are); a 4-bit checkpoint (--model) is detected without it.",
+)
+@click.option(
+    "--int4-group-size",
+    type=int,
+    default=128,
+    show_default=True,
+    help="With --quantization gptq: the group size (-1: one group per output channel).",
+)
+@click.option(
+    "--int4-act-order", is_flag=True, help="With --quantization gptq: desc_act (a random g_idx)."
+)
 @click.option("--enforce-eager", is_flag=True, help="Never use CUDA graphs.")
 @click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
 @click.option(
@@ -132,6 +149,17 @@ def bench(**kw) -> None:
         )
     except ConfigError as e:
         raise click.BadParameter(str(e)) from None
+    if kw["quantization"] and kw["model_path"] is not None:
+        raise click.BadParameter(
+            "a checkpoint's quantization is read from its config.json; --quantization builds a "
+            "random preset",
+            param_hint="--quantization",
+        )
+    if kw["quantization"] and kw["peer"]:
+        raise click.BadParameter("--peer hf runs 16-bit weights; run it without --quantization")
+    group = kw["int4_group_size"]
+    if group != -1 and (group <= 0 or group % 32):
+        raise click.BadParameter("-1 or a positive multiple of 32", param_hint="--int4-group-size")
     for name in ("repeat", "peer_repeat", "num_prompts", "max_output_tokens"):
         if kw[name] is not None and kw[name] < 1:
             raise click.BadParameter(f"--{name.replace('_', '-')} must be >= 1")
@@ -146,6 +174,9 @@ def bench(**kw) -> None:
         num_prompts=kw["num_prompts"],
         max_output_tokens=kw["max_output_tokens"],
         warmup=kw["warmup"],
+        quantization=kw["quantization"],
+        int4_group_size=group,
+        int4_act_order=kw["int4_act_order"],
     )
     report = run_bench(opts, log=lambda m: click.echo(m, err=True))
     if kw["json_out"]:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from batchgen.bench.gpu_power import PowerSampler, device_uuid
+from batchgen.bench.random_int4 import build_random_int4_model
 from batchgen.bench.random_model import build_random_model, preset_config
 from batchgen.bench.timing import timed
 from batchgen.bench.workloads import Workload, warmup_workload
@@ -41,16 +42,24 @@ class Bench:
 
 
 def build_bench(
-    config: EngineConfig, preset: str | None, model_path: str | None, max_model_len: int
+    config: EngineConfig,
+    preset: str | None,
+    model_path: str | None,
+    max_model_len: int,
+    int4: tuple[int, bool] | None = None,
 ) -> Bench:
-    """Load `model_path`, or build `preset` with random weights directly on the device."""
+    """Load `model_path`, or build `preset` with random weights directly on the device; with
+    int4 = (group size, act order), its projections as random 4-bit GPTQ tensors."""
     if model_path is not None:
         engine = LLMEngine(replace(config, model=model_path, max_model_len=max_model_len))
         return Bench(engine.config, engine.runner, None, model_path)
     device = resolve_device(config.device)
     mc = ModelConfig.from_dict(preset_config(preset), source=f"preset {preset}")
     dtype = resolve_dtype(config.dtype, mc, device)
-    model, raw = build_random_model(preset, dtype, device, seed=config.seed)
+    if int4 is not None:
+        model, raw = build_random_int4_model(preset, dtype, device, config.seed, *int4)
+    else:
+        model, raw = build_random_model(preset, dtype, device, seed=config.seed)
     config = replace(config, model=PRESET_MODEL, max_model_len=max_model_len)
     runner = ModelRunner.from_model(config, model, max_model_len)
     return Bench(config, runner, raw, None)

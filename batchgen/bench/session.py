@@ -13,8 +13,14 @@ import torch
 from batchgen.bench import roofline
 from batchgen.bench.ceilings import measure_ceilings
 from batchgen.bench.engine_run import Bench, build_bench, run_engine
-from batchgen.bench.random_model import non_embedding_params, parameter_bytes, preset_config
+from batchgen.bench.random_model import (
+    decode_weight_bytes,
+    non_embedding_params,
+    parameter_bytes,
+    preset_config,
+)
 from batchgen.bench.report import environment, hit_rates, median_run, rates
+from batchgen.bench.step_roofline import StepRoofline, step_roofline
 from batchgen.bench.timing import peak_memory_bytes, reset_peak_memory
 from batchgen.bench.workloads import Workload, build_workload, warmup_workload
 from batchgen.config import EngineConfig
@@ -34,6 +40,9 @@ class BenchOptions:
     num_prompts: int | None = None
     max_output_tokens: int | None = None
     warmup: int = 16
+    quantization: str | None = None  # "gptq": the preset's projections random 4-bit GPTQ
+    int4_group_size: int = 128
+    int4_act_order: bool = False
 
 
 def _model_config(opts: BenchOptions) -> ModelConfig:
@@ -54,8 +63,12 @@ def _result(
     cost: roofline.WorkloadCost,
     ceilings: dict[str, Any],
     peak: int | None,
+    steps: StepRoofline | None = None,
+    kv_tokens: int | None = None,
 ) -> dict[str, Any]:
     out = {**run, **hit_rates(run, w), "peak_gpu_memory_bytes": peak}
+    if steps is not None:
+        out.update(steps.metrics(run["wall_s"], run.get("output_tokens", 0), kv_tokens))
     out.update(
         roofline.roofline_metrics(
             cost,
@@ -65,6 +78,8 @@ def _result(
             ceilings["copy_tb_s"] * 1e12,
         )
     )
+    out.setdefault("step_roofline_fraction", None)  # score workloads, the peer
+    out.setdefault("achieved_tb_s", None)
     out.setdefault("preemptions", None)
     out.setdefault("steps", None)
     out.setdefault("errors", None)
@@ -87,7 +102,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
     ceilings = measure_ceilings(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     reset_peak_memory(device)
     log(f"building {opts.model_path or opts.preset} on {device} ...")
-    bench = build_bench(opts.engine, opts.preset, opts.model_path, max_len)
+    int4 = (opts.int4_group_size, opts.int4_act_order) if opts.quantization == "gptq" else None
+    bench = build_bench(opts.engine, opts.preset, opts.model_path, max_len, int4)
     tuning = bench.runner.tune_report
     if tuning is not None:
         log(
@@ -99,6 +115,11 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         mc, non_embedding_params(model), parameter_bytes(model), bench.runner.dtype.itemsize
     )
     cost = roofline.workload_cost(shape, w)
+    kv_tokens = bench.runner.num_kv_blocks * bench.runner.block_size
+    steps = step_roofline(
+        shape, w, decode_weight_bytes(model), kv_tokens, bench.runner.block_size,
+        ceilings["matmul_tflops"] * 1e12, ceilings["copy_tb_s"] * 1e12,
+    )  # fmt: skip
     del model  # the peer frees our model; keep no reference here
     log(f"{w.name}: {w.num_requests} requests, {opts.repeat} timed run(s) ...")
     runs = _repeat_engine(bench, w, opts.repeat, opts.warmup)
@@ -125,6 +146,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
             "parameters": sum(p.numel() for p in bench.runner.model.parameters()),
             "non_embedding_parameters": shape.non_embedding_params,
             "weight_bytes": shape.weight_bytes,
+            "quantization": opts.quantization,
             "kv_bytes_per_token": shape.kv_bytes_per_token,
             "num_kv_blocks": bench.runner.num_kv_blocks,
             "max_model_len": max_len,
@@ -138,7 +160,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         "gemm_tuning": dataclasses.asdict(tuning) if tuning is not None else None,
         "repeat": opts.repeat,
         "runs": runs,
-        "result": _result(median_run(runs), w, cost, ceilings, peak),
+        "result": _result(median_run(runs), w, cost, ceilings, peak, steps, kv_tokens),
         "prefix_caching_off": None,
         "pipeline": None,
         "peer": None,

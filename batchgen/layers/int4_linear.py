@@ -19,20 +19,30 @@ from batchgen.kernels.int4_dequant import dequantize_int4
 from batchgen.kernels.int4_gemm import PACK, check_layout, int4_gemm, int4_gemm_ref
 from batchgen.layers import int4_tuning
 
+SYMMETRIC_ZERO = 8  # the zero point of symmetric 4-bit weights (values -8 .. 7 stored + 8)
+
 
 @dataclass
 class PackedInt4:
     """A 4-bit weight of `out` x `in` in the packed layout (kernels/int4_gemm.py).
 
-    qweight [in / 8, out] int32; scales, zeros [in / group_size, out] (one float dtype);
-    perm [in] int64 or None (act order: the layout's column k is input channel perm[k]).
+    qweight [in / 8, out] int32; scales, zeros [in / group_size, out] (one float dtype; zeros
+    None when every zero point is 8, symmetric weights); perm [in] int64 or None (act order: the
+    layout's column k is input channel perm[k]).
     """
 
     qweight: torch.Tensor
     scales: torch.Tensor
-    zeros: torch.Tensor
+    zeros: torch.Tensor | None
     group_size: int
     perm: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, qweight, scales, zeros, group_size: int, perm=None) -> PackedInt4:
+        """A PackedInt4 whose zeros are dropped (None) when all of them are 8."""
+        if zeros is not None and bool((zeros == SYMMETRIC_ZERO).all()):
+            zeros = None
+        return cls(qweight, scales, zeros, group_size, perm)
 
     @property
     def in_features(self) -> int:
@@ -48,7 +58,12 @@ class PackedInt4:
 
     def to(self, device: torch.device, dtype: torch.dtype | None = None) -> PackedInt4:
         """On `device`, scales and zeros in `dtype` when given (the packed ints unchanged)."""
-        move = lambda t: t.to(device, dtype) if dtype is not None else t.to(device)  # noqa: E731
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return t.to(device, dtype) if dtype is not None else t.to(device)
+
         return PackedInt4(
             self.qweight.to(device),
             move(self.scales),
@@ -76,13 +91,20 @@ def concat_outputs(parts: list[PackedInt4], where: str) -> PackedInt4:
                 f"{where}: fused projections have different act orders (g_idx), so they "
                 "cannot read one input; batchgen fuses q/k/v and gate/up"
             )
+    zeros = None
+    if any(p.zeros is not None for p in parts):
+        zeros = torch.cat([p.zeros if p.zeros is not None else _eights(p) for p in parts], dim=1)
     return PackedInt4(
         torch.cat([p.qweight for p in parts], dim=1),
         torch.cat([p.scales for p in parts], dim=1),
-        torch.cat([p.zeros for p in parts], dim=1),
+        zeros,
         first.group_size,
         first.perm,
     )
+
+
+def _eights(p: PackedInt4) -> torch.Tensor:
+    return torch.full_like(p.scales, SYMMETRIC_ZERO)
 
 
 class Int4Linear(nn.Module):
@@ -107,7 +129,7 @@ class Int4Linear(nn.Module):
         empty = torch.empty(0, dtype=torch.int32, device=device)
         self.register_buffer("weight", empty)
         self.register_buffer("scales", torch.empty(0, device=device))
-        self.register_buffer("zeros", torch.empty(0, device=device))
+        self.register_buffer("zeros", None)
         self.register_buffer("perm", None)
         self.bias = (
             nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False)
@@ -125,7 +147,7 @@ class Int4Linear(nn.Module):
             )
         self.weight = packed.qweight.contiguous()
         self.scales = packed.scales.contiguous()
-        self.zeros = packed.zeros.contiguous()
+        self.zeros = packed.zeros.contiguous() if packed.zeros is not None else None
         self.perm = packed.perm
         self.group_size = packed.group_size
         self.weight.int4_layer = self
@@ -144,8 +166,9 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         order = ", act order" if self.perm is not None else ""
+        sym = ", symmetric" if self.zeros is None else ""
         return (
-            f"in={self.in_features}, out={self.out_features}, group={self.group_size}{order}, "
+            f"in={self.in_features}, out={self.out_features}, group={self.group_size}{order}{sym}, "
             f"bias={self.bias is not None}"
         )
 

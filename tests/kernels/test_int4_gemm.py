@@ -172,3 +172,17 @@ def test_dequantize_int4_llama_shape():
     torch.testing.assert_close(
         got, dequantize_int4_ordered_ref(*args, 128, torch.bfloat16, perm=perm), rtol=0, atol=0
     )
+
+
+@pytest.mark.parametrize("config", [GemmConfig(1, 32, 64), GemmConfig(16, 32, 32, split_k=2)])
+def test_symmetric_weights_need_no_zeros(device, close, config):
+    # zeros None means zero point 8 everywhere: the same product as an explicit tensor of 8s.
+    _, qweight, scales, _ = packed_weight(128, 64, 64, seed=9, dtype=torch.float32)
+    eights = torch.full_like(scales, 8.0)
+    x = torch.randn(3, 128)
+    args = [v.to(device) for v in (x, qweight, scales)]
+    want = int4_gemm_ref(*args, eights.to(device), 64)
+    close(int4_gemm(*args, None, 64, config), want, torch.float32, scale=4)
+    close(int4_gemm_ref(*args, None, 64), want, torch.float32)
+    got = dequantize_int4(*args[1:], None, 64, torch.float32)
+    torch.testing.assert_close(got, dequantize_int4_ref(*args[1:], eights.to(device), 64))

@@ -38,4 +38,4 @@ def to_packed(tensors: dict[str, torch.Tensor], group_size: int, where: str) -> 
         raise ValueError(f"{where}.scales: expected a float tensor, got {scales.dtype}")
     q = nibbles.unpack(qweight, dim=1, order=nibbles.AWQ_ORDER)  # [K, N]
     zeros = nibbles.unpack(qzeros, dim=1, order=nibbles.AWQ_ORDER)  # [G, N]
-    return PackedInt4(nibbles.pack(q, dim=0), scales, zeros.to(scales.dtype), group)
+    return PackedInt4.of(nibbles.pack(q, dim=0), scales, zeros.to(scales.dtype), group)

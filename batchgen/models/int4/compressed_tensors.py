@@ -47,15 +47,16 @@ def to_packed(
     zeros = _zeros(tensors.get("weight_zero_point"), n, groups, symmetric, scale, where)
     perm = act_order.group_order(tensors.get("weight_g_idx"), k, group, f"{where}.weight_g_idx")
     qweight = act_order.reorder_rows(q.t(), perm)
-    return PackedInt4(qweight.contiguous(), scale.t().contiguous(), zeros, group, perm)
+    return PackedInt4.of(qweight.contiguous(), scale.t().contiguous(), zeros, group, perm)
 
 
-def _zeros(zp, n: int, groups: int, symmetric: bool, scale, where: str) -> torch.Tensor:
-    """[G, N] zero points of the packed layout (signed zero point + 8), scale's dtype."""
+def _zeros(zp, n: int, groups: int, symmetric: bool, scale, where: str) -> torch.Tensor | None:
+    """[G, N] zero points of the packed layout (signed zero point + 8), scale's dtype; None when
+    symmetric (8 everywhere)."""
     if symmetric:
         if zp is not None and bool((zp != 0).any()):
             raise ValueError(f"{where}.weight_zero_point: nonzero, but the config says symmetric")
-        return torch.full((groups, n), _OFFSET, dtype=scale.dtype, device=scale.device)
+        return None  # zero point 8 everywhere
     if zp is None:
         raise ValueError(f"{where}: asymmetric weights need weight_zero_point")
     if zp.dtype == torch.int32 and zp.shape == (-(-n // nibbles.PACK), groups):

@@ -46,4 +46,4 @@ def to_packed(
     perm = act_order.group_order(tensors.get("g_idx"), k, group, f"{where}.g_idx")
     if perm is not None:
         qweight = act_order.reorder_rows(nibbles.unpack(qweight, dim=0), perm)
-    return PackedInt4(qweight.contiguous(), scales, zeros.to(scales.dtype), group, perm)
+    return PackedInt4.of(qweight.contiguous(), scales, zeros.to(scales.dtype), group, perm)
