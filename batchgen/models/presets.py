@@ -96,6 +96,31 @@ BENCH_PRESETS: dict[str, dict[str, Any]] = {
         "bos_token_id": 128000,
         "eos_token_id": [128001, 128008, 128009],
     },
+    # 140 GB in bf16: more than one GPU holds; run with --tensor-parallel-size (each rank builds
+    # only its share).
+    "llama3.1-70b": {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
+    },
 }
 
 # Names `batchgen bench --model-preset` takes: the benchmark architectures, and `tiny` (the tiny
