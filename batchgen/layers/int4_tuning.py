@@ -9,9 +9,10 @@ dequantized copy). A heuristic (`default_config`) is used where timing is off (T
 where a CUDA graph is being captured (the engine warms every captured size up before capturing,
 so those are tuned already), and by the interpreter.
 
-How: candidates run in a CUDA graph over the weights of every registered layer of the same shape
-(Int4Linear.set_packed registers them), so a decode-sized product streams from HBM as in a step
-instead of from L2; the median of TUNE_REPLAYS replays decides. Results live for the process.
+How: candidates run in a CUDA graph over the weights of registered layers of the same shape
+(Int4Linear.set_packed registers them; SCREEN_BYTES of them), so a decode-sized product streams
+from HBM as in a step instead of from L2; the median of TUNE_REPLAYS replays decides. Results
+live for the process.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ DEQUANT = "dequant"  # the dequantize + cuBLAS path
 # Timing on (the first use of each row class and shape times the candidates); off: heuristic.
 TUNE = True
 TUNE_REPLAYS = 5
+# Weights each timing cycles through: past the H100's 50 MB L2, so they stream from HBM.
+SCREEN_BYTES = 256 << 20
 # Row counts from here on also time the dequantize + cuBLAS path.
 DEQUANT_MIN_ROWS = 1024
 # Row classes: powers of two up to this, then multiples of it.
@@ -138,6 +141,8 @@ def choose(m: int, layer, dtype: torch.dtype) -> GemmConfig | str:
     if not TUNE or capturing or interpreting() or device.type != "cuda":
         return default_config(m, n, k, group, sms)
     layers = list(_layers.get(_shape_key(layer), ())) or [layer]
+    # Enough layers' weights to pass the L2 (SCREEN_BYTES), not all 80 of a 70B model's.
+    layers = layers[: max(1, -(-SCREEN_BYTES // max(1, layer.packed_bytes())))]
     choice = fastest(candidates(row_class(m), n, k, group, sms), row_class(m), layers, dtype)
     _choices[key] = choice
     return choice
