@@ -15,7 +15,9 @@ do not depend on timing). A [BLOCK_K, BLOCK_N] weight tile is read once as [BLOC
 int32, expanded to nibbles in registers, and the integers q - zero (exact in the activations'
 dtype) go through tl.dot with fp32 accumulation; the group scale multiplies the tile's partial
 product (BLOCK_K divides G, so a tile lies in one group). BLOCK_M < 16 (a handful of rows)
-multiplies and sums in fp32 on the CUDA cores instead of tl.dot.
+multiplies and sums in fp32 on the CUDA cores instead of tl.dot. With `magic` (16-bit activations)
+each nibble becomes a 16-bit float by bit operations alone (module constant MAGIC), the offset
+and the zero points coming off through x's row sums after the product.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    magic: bool = False  # 16-bit activations: weights as float bits (MAGIC), no int -> float
+
+
+# The 16-bit float whose bit pattern ORed with q (0 .. 15) is that float plus q, exactly: 128 in
+# bfloat16 (7 mantissa bits, spacing 1 from 128 to 256) and 1024 in float16 (10 bits).
+MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 
 
 @triton.jit
@@ -49,6 +57,7 @@ def _int4_gemm_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTIAL: tl.constexpr, HAS_PERM: tl.constexpr, HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr, ADD_RES: tl.constexpr, F32: tl.constexpr,
+    MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr,
 ):  # fmt: skip
     # Grid (N tiles, M tiles, splits). Program (pn, pm, ps): rows [pm*BM, +BM), columns
     # [pn*BN, +BN), K range [ps*k_per_split, +k_per_split) (a multiple of BLOCK_K).
@@ -83,16 +92,29 @@ def _int4_gemm_kernel(
         s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         if HAS_ZEROS:
             z = tl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            b = q.to(tl.float32) - z[None, :]  # [BK, BN] integers -16 .. 15
         else:
-            b = (q - 8).to(tl.float32)
-        if BLOCK_M >= 16:
-            if F32:
-                part = tl.dot(a, b, input_precision="ieee")
+            z = tl.full((BLOCK_N,), 8.0, tl.float32)
+        if MAGIC_BITS != 0:
+            # MAGIC_BITS | q, read as a 16-bit float, is MAGIC_VALUE + q exactly: the weights
+            # reach the product without an int -> float conversion. The row sums of x take the
+            # offset and the zero point off afterwards: sum_k x (q - z) =
+            # x @ (MAGIC_VALUE + q) - (MAGIC_VALUE + z) * sum_k x.
+            b = (q | MAGIC_BITS).to(tl.int16).to(a.dtype, bitcast=True)  # [BK, BN]
+            if BLOCK_M >= 16:
+                part = tl.dot(a, b)
             else:
-                part = tl.dot(a, b.to(a.dtype))  # exact: small integers
+                part = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+            row_sums = tl.sum(a.to(tl.float32), axis=1)  # [BM]
+            part = part - row_sums[:, None] * (z + MAGIC_VALUE)[None, :]
         else:
-            part = tl.sum(a.to(tl.float32)[:, :, None] * b[None, :, :], axis=1)
+            b = q.to(tl.float32) - z[None, :]  # [BK, BN] integers -16 .. 15
+            if BLOCK_M >= 16:
+                if F32:
+                    part = tl.dot(a, b, input_precision="ieee")
+                else:
+                    part = tl.dot(a, b.to(a.dtype))  # exact: small integers
+            else:
+                part = tl.sum(a.to(tl.float32)[:, :, None] * b[None, :, :], axis=1)
         acc += part * s[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if PARTIAL:
@@ -226,6 +248,7 @@ def int4_gemm(
     split = triton.cdiv(k, k_per_split)  # no empty split
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split)
     partial = split > 1
+    magic = MAGIC.get(x.dtype, (0, 0.0)) if config.magic else (0, 0.0)
     target = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if partial else out
     _int4_gemm_kernel[grid](
         x, qweight, scales, zeros if zeros is not None else scales,
@@ -237,6 +260,7 @@ def int4_gemm(
         PARTIAL=partial, HAS_PERM=perm is not None, HAS_ZEROS=zeros is not None,
         HAS_BIAS=bias is not None,
         ADD_RES=residual is not None, F32=x.dtype == torch.float32,
+        MAGIC_BITS=magic[0], MAGIC_VALUE=magic[1],
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if partial:

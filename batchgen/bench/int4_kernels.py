@@ -81,7 +81,7 @@ def time_shape(n: int, k: int, rows: list[int], group: int, act_order: bool, rep
 
 def _label(cfg) -> str:
     return (f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} s{cfg.split_k} "
-            f"w{cfg.num_warps} st{cfg.num_stages}")  # fmt: skip
+            f"w{cfg.num_warps} st{cfg.num_stages}{' magic' if cfg.magic else ''}")  # fmt: skip
 
 
 def _runner(option, x, packs):

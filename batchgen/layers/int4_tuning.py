@@ -18,12 +18,13 @@ live for the process.
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 
 import torch
 
 from batchgen.bench.timing import graph_median_us
 from batchgen.kernels.int4_dequant import dequantize_int4
-from batchgen.kernels.int4_gemm import GemmConfig, int4_gemm
+from batchgen.kernels.int4_gemm import MAGIC, GemmConfig, int4_gemm
 from batchgen.kernels.launch import interpreting, num_sms
 
 DEQUANT = "dequant"  # the dequantize + cuBLAS path
@@ -92,7 +93,8 @@ def default_config(m: int, n: int, k: int, group: int, sms: int = 132) -> GemmCo
 
 
 def candidates(m: int, n: int, k: int, group: int, sms: int) -> list[GemmConfig | str]:
-    """What is timed for m rows (a row class): tiles around the heuristic's, and DEQUANT from
+    """What is timed for m rows (a row class): tiles around the heuristic's, each also with
+    magic weights (16-bit activations; the same as plain for fp32), and DEQUANT from
     DEQUANT_MIN_ROWS rows."""
     out: list[GemmConfig | str] = [default_config(m, n, k, group, sms)]
 
@@ -123,6 +125,8 @@ def candidates(m: int, n: int, k: int, group: int, sms: int) -> list[GemmConfig 
             for stages in (3, 4):
                 add(128, bn, 64, 8, stages, split=1)
         add(256, 128, 64, 8, 3, split=1)
+    # Each again with the weights made 16-bit floats by bit operations (GemmConfig.magic).
+    out += [replace(c, magic=True) for c in out]
     if m >= DEQUANT_MIN_ROWS and group % 32 == 0:
         out.append(DEQUANT)
     return out
@@ -143,7 +147,10 @@ def choose(m: int, layer, dtype: torch.dtype) -> GemmConfig | str:
     layers = list(_layers.get(_shape_key(layer), ())) or [layer]
     # Enough layers' weights to pass the L2 (SCREEN_BYTES), not all 80 of a 70B model's.
     layers = layers[: max(1, -(-SCREEN_BYTES // max(1, layer.packed_bytes())))]
-    choice = fastest(candidates(row_class(m), n, k, group, sms), row_class(m), layers, dtype)
+    options = candidates(row_class(m), n, k, group, sms)
+    if dtype not in MAGIC:  # magic tiles are the plain ones for fp32 activations
+        options = [o for o in options if o == DEQUANT or not o.magic]
+    choice = fastest(options, row_class(m), layers, dtype)
     _choices[key] = choice
     return choice
 

@@ -149,6 +149,9 @@ LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
         (16, GemmConfig(16, 64, 128, split_k=4)),
         (256, GemmConfig(64, 128, 64, num_warps=4, num_stages=4)),
         (2048, GemmConfig(128, 256, 64, num_warps=8, num_stages=3)),
+        (1, GemmConfig(1, 64, 128, split_k=4, magic=True)),
+        (16, GemmConfig(16, 64, 128, split_k=4, magic=True)),
+        (2048, GemmConfig(128, 256, 64, num_warps=8, num_stages=3, magic=True)),
     ],
 )
 def test_int4_gemm_llama_shapes(close, n, k, m, config):
@@ -186,3 +189,18 @@ def test_symmetric_weights_need_no_zeros(device, close, config):
     close(int4_gemm_ref(*args, None, 64), want, torch.float32)
     got = dequantize_int4(*args[1:], None, 64, torch.float32)
     torch.testing.assert_close(got, dequantize_int4_ref(*args[1:], eights.to(device), 64))
+
+
+@pytest.mark.parametrize(
+    "m, config",
+    [(1, GemmConfig(1, 32, 64, magic=True)), (5, GemmConfig(16, 32, 32, split_k=2, magic=True))],
+)
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_magic_weights_match_ref(device, close, m, config, symmetric):
+    # Nibbles turned into float16 by their bits (1024 + q), the offset and zero points taken off
+    # through x's row sums: the same product (float16 here; bfloat16 in the gpu tests).
+    _, qweight, scales, zeros = packed_weight(128, 64, 64, seed=10)
+    zeros = None if symmetric else zeros
+    x = torch.randn(m, 128, generator=torch.Generator().manual_seed(3)).half()
+    args = [v.to(device) if v is not None else None for v in (x, qweight, scales, zeros)]
+    close(int4_gemm(*args, 64, config), int4_gemm_ref(*args, 64), torch.float16, scale=8)
