@@ -25,6 +25,7 @@ from batchgen.bench.timing import peak_memory_bytes, reset_peak_memory
 from batchgen.bench.workloads import Workload, build_workload, warmup_workload
 from batchgen.config import EngineConfig
 from batchgen.engine.model_runner import resolve_device
+from batchgen.layers.int4_linear import weight_count
 from batchgen.models.config import ModelConfig
 
 
@@ -143,7 +144,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
             "architecture": mc.architecture,
             "weights": "checkpoint" if opts.model_path else "random normal(0, 0.02), norms 1",
             "dtype": str(bench.runner.dtype).removeprefix("torch."),
-            "parameters": sum(p.numel() for p in bench.runner.model.parameters()),
+            "parameters": weight_count(bench.runner.model),
             "non_embedding_parameters": shape.non_embedding_params,
             "weight_bytes": shape.weight_bytes,
             "quantization": opts.quantization,

@@ -21,6 +21,7 @@ from batchgen.engine.step_inputs import StepInputs, build_step_inputs, pad_block
 from batchgen.kernels import ops
 from batchgen.layers import gemm_tuning, linear
 from batchgen.layers.context import AttentionContext
+from batchgen.layers.int4_linear import weight_count
 from batchgen.models.config import ModelConfig
 from batchgen.models.loader import load_model
 
@@ -81,7 +82,7 @@ class ModelRunner:
         # The scheduler's mixed_chunk_tokens, the option resolved for this model.
         self.mixed_chunk_tokens = self.config.mixed_chunk_tokens
         if self.mixed_chunk_tokens is None:
-            num_params = sum(p.numel() for p in self.model.parameters())
+            num_params = weight_count(self.model)  # 4-bit projections count in x out
             self.mixed_chunk_tokens = auto_chunk_tokens(
                 num_params, self.config.max_num_batched_tokens
             )

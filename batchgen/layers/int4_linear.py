@@ -173,6 +173,15 @@ class Int4Linear(nn.Module):
         )
 
 
+def weight_count(model: nn.Module) -> int:
+    """The model's parameters, a 4-bit layer counting its in x out weights (its packed weight
+    is a buffer, not a parameter)."""
+    packed = sum(
+        m.in_features * m.out_features for m in model.modules() if isinstance(m, Int4Linear)
+    )
+    return packed + sum(p.numel() for p in model.parameters())
+
+
 def int4_linear(
     x: torch.Tensor,
     layer: Int4Linear,

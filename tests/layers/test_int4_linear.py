@@ -7,7 +7,7 @@ import torch
 from batchgen.kernels.int4_gemm import check_config, dequantize_int4_ref, pack_int4_ref
 
 from batchgen.layers import int4_tuning, linear
-from batchgen.layers.int4_linear import Int4Linear, PackedInt4, concat_outputs
+from batchgen.layers.int4_linear import Int4Linear, PackedInt4, concat_outputs, weight_count
 
 
 def packed(k: int, n: int, group: int, seed: int = 0, perm: bool = False) -> PackedInt4:
@@ -108,3 +108,11 @@ def test_choose_off_cuda_is_the_heuristic():
     assert int4_tuning.choose(5, layer, torch.float32) == int4_tuning.default_config(
         5, 64, 256, 128
     )
+
+
+def test_weight_count_counts_4_bit_layers_in_full():
+    # The engine sizes its prompt chunks by parameter count: a 4-bit model counts as its
+    # 16-bit twin (projections' in x out), not as its packed buffers.
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), Int4Linear(64, 32, bias=True))
+    model[1].set_packed(packed(64, 32, 32))
+    assert weight_count(model) == (64 * 32 + 32) + (64 * 32 + 32)
