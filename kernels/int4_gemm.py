@@ -11,7 +11,8 @@ The layout (batchgen's one int4 layout, into which every checkpoint format is co
 
 Each program computes a [BLOCK_M, BLOCK_N] tile of y over a range of K (split-K: SPLIT_K programs
 share a tile and write fp32 partial sums that a second kernel adds up in a fixed order, so results
-do not depend on timing). A [BLOCK_K, BLOCK_N] weight tile is read once as [BLOCK_K / 8, BLOCK_N]
+do not depend on timing; both kernels take programmatic dependent launch, launch.py). A
+[BLOCK_K, BLOCK_N] weight tile is read once as [BLOCK_K / 8, BLOCK_N]
 int32, expanded to nibbles in registers, and the integers q - zero (exact in the activations'
 dtype) go through tl.dot with fp32 accumulation; the group scale multiplies the tile's partial
 product (BLOCK_K divides G, so a tile lies in one group). BLOCK_M < 16 (a handful of rows)
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .launch import check_dtype, check_launchable, tl, triton
+from .launch import check_dtype, check_launchable, pdl_prologue, tl, triton, use_pdl
 
 PACK = 8  # 4-bit values per int32
 _REDUCE_BLOCK = 1024
@@ -57,10 +58,11 @@ def _int4_gemm_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTIAL: tl.constexpr, HAS_PERM: tl.constexpr, HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr, ADD_RES: tl.constexpr, F32: tl.constexpr,
-    MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr,
+    MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Grid (N tiles, M tiles, splits). Program (pn, pm, ps): rows [pm*BM, +BM), columns
     # [pn*BN, +BN), K range [ps*k_per_split, +k_per_split) (a multiple of BLOCK_K).
+    pdl_prologue(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -135,8 +137,10 @@ def _int4_gemm_kernel(
 def _split_k_reduce_kernel(
     ws_ptr, out_ptr, res_ptr, bias_ptr, M, N, stride_om, stride_rm,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_RES: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # out[m, n] = (residual[m, n]) + sum_s ws[s, m, n] (+ bias[n]), splits added in order.
+    pdl_prologue(USE_PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     m = offs // N
@@ -249,6 +253,7 @@ def int4_gemm(
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split)
     partial = split > 1
     magic = MAGIC.get(x.dtype, (0, 0.0)) if config.magic else (0, 0.0)
+    pdl = use_pdl(x.device)  # programmatic dependent launch (launch.py), as the layer's kernels
     target = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if partial else out
     _int4_gemm_kernel[grid](
         x, qweight, scales, zeros if zeros is not None else scales,
@@ -260,8 +265,8 @@ def int4_gemm(
         PARTIAL=partial, HAS_PERM=perm is not None, HAS_ZEROS=zeros is not None,
         HAS_BIAS=bias is not None,
         ADD_RES=residual is not None, F32=x.dtype == torch.float32,
-        MAGIC_BITS=magic[0], MAGIC_VALUE=magic[1],
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        MAGIC_BITS=magic[0], MAGIC_VALUE=magic[1], USE_PDL=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     if partial:
         _split_k_reduce_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](
@@ -269,7 +274,7 @@ def int4_gemm(
             bias if bias is not None else scales, m, n, out.stride(0),
             residual.stride(0) if residual is not None else 0,
             SPLIT_K=split, HAS_BIAS=bias is not None, ADD_RES=residual is not None,
-            BLOCK=_REDUCE_BLOCK, num_warps=4,
+            BLOCK=_REDUCE_BLOCK, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
         )  # fmt: skip
     return out
 

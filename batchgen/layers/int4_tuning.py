@@ -110,13 +110,15 @@ def candidates(m: int, n: int, k: int, group: int, sms: int) -> list[GemmConfig 
     if m <= 2:
         add(1, 64, 128, 4, 4)  # CUDA-core dot products: one row, no 16-row padding
         add(1, 128, 64, 4, 4)
+        add(1, 32, 256, 4, 4, split=1)  # narrow columns instead of split-K: no second kernel
     if m <= 64:
         bm = max(16, m)
         for bn in (64, 128, 256):
             add(bm, bn, 128, 4, 4)
         add(bm, 128, 256, 8, 3)
-        add(bm, 64, 128, 4, 4, split=1)
         add(bm, 128, 128, 4, 5)
+        add(bm, 64, 128, 4, 4, split=1)
+        add(bm, 32, 256, 4, 4, split=1)
     elif m <= 512:
         for bm, bn, warps in ((64, 128, 4), (64, 256, 8), (128, 128, 8), (128, 256, 8)):
             for stages in (3, 4):
