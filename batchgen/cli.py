@@ -304,7 +304,11 @@ def status(out_dir) -> None:
 
 
 @main.command("make-model")
-@click.option("--arch", type=click.Choice(["llama", "qwen2", "qwen3", "mistral"]), required=True)
+@click.option(
+    "--arch",
+    type=click.Choice(["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"]),
+    required=True,
+)
 @click.option("--preset", default="tiny", show_default=True, help="Model size preset.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
 @click.argument("out_dir", type=click.Path(file_okay=False))

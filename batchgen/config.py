@@ -68,6 +68,15 @@ class EngineConfig:
             affinity mask, at most SLURM_CPUS_PER_TASK and the cgroup CPU quota), or
             OMP_NUM_THREADS when that is set (batchgen/cpu_threads.py).
         seed: seeds weight-free randomness (the draw of seeds for requests without one).
+        tensor_parallel_size: split the model over this many GPUs (CPU processes on CPU): each
+            rank holds its share of the attention heads, MLP columns and vocabulary, loaded
+            slice by slice from the checkpoint, and the engine's process drives the others
+            (batchgen.engine.tensor_parallel). Must divide the attention heads, the
+            intermediate size and the vocabulary; the GPUs are cuda:K .. cuda:K+N-1 for
+            device cuda:K.
+        disable_custom_all_reduce: with tensor parallel on GPUs, always all-reduce through
+            NCCL; otherwise small all-reduces (decode steps) run torch's one-shot
+            symmetric-memory kernel where a start-up measurement finds it faster.
     """
 
     model: str
@@ -91,6 +100,8 @@ class EngineConfig:
     allow_pickle: bool = False
     cpu_threads: int | None = None
     seed: int = 0
+    tensor_parallel_size: int = 1
+    disable_custom_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -129,6 +140,8 @@ class EngineConfig:
             not isinstance(self.cpu_threads, int) or self.cpu_threads < 1
         ):
             raise ConfigError(f"cpu_threads={short_repr(self.cpu_threads)}: must be >= 1 or null")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 2")
 

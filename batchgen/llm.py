@@ -28,7 +28,10 @@ class LLM:
         revision: branch, tag or commit of a hub repo id.
         **engine_options: any other EngineConfig field (device, block_size, num_kv_blocks,
             max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
-            cpu_threads, ...).
+            cpu_threads, tensor_parallel_size, ...).
+
+    With tensor_parallel_size > 1 the LLM starts one process per extra rank; `shutdown()` (or
+    `with LLM(...) as llm:`) stops them, as does dropping the LLM or leaving Python.
     """
 
     def __init__(
@@ -48,6 +51,17 @@ class LLM:
     @property
     def stats(self):
         return self.engine.stats
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes and leave the process group now (done
+        anyway when the LLM is collected or Python exits). The LLM cannot run afterwards."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def generate(
         self,

@@ -211,6 +211,7 @@ def int4_gemm(
     perm: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x's dtype, Triton kernel (module docstring: the layout).
 
@@ -222,6 +223,8 @@ def int4_gemm(
         bias: [N] or None, added in fp32 before the one rounding.
         residual: [M, N] of x's dtype with contiguous rows, or None: when given, the result is
             added into it in place (residual += x @ W^T, one rounding) and it is returned.
+        out: [M, N] of x's dtype with contiguous rows, or None: written instead of a new tensor
+            (its old values are not read); not with residual.
     """
     op = "int4_gemm"
     k, n = check_layout(op, qweight, scales, zeros, group_size, perm)
@@ -238,11 +241,19 @@ def int4_gemm(
         if residual.shape != (m, n) or residual.dtype != x.dtype or residual.stride(1) != 1:
             raise ValueError(f"{op}: residual must be [{m}, {n}] {x.dtype} with contiguous "
                              f"rows, got {tuple(residual.shape)} {residual.dtype}")  # fmt: skip
+    if out is not None and (
+        residual is not None or out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1
+    ):
+        raise ValueError(f"{op}: out must be [{m}, {n}] {x.dtype} with contiguous rows (and no "
+                         f"residual), got {tuple(out.shape)} {out.dtype}")  # fmt: skip
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"{op}: bias must be [{n}], got {tuple(bias.shape)}")
-    extra = [t for t in (zeros, perm, bias, residual) if t is not None]
+    extra = [t for t in (zeros, perm, bias, residual, out) if t is not None]
     check_launchable(op, x, qweight, scales, *extra)
-    out = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        out = residual
+    elif out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     bk = config.block_k

@@ -8,8 +8,11 @@ import torch
 # Module aliases: two of the ops share their kernel module's name.
 from . import activation as _activation
 from . import decode_attention as _decode
+from . import fused_moe as _fused_moe
 from . import kv_cache as _kv_cache
 from . import logprobs as _logprobs
+from . import moe_align as _moe_align
+from . import moe_router as _moe_router
 from . import paged_attention as _prefill
 from . import penalties as _penalties
 from . import rms_norm as _rms_norm
@@ -23,6 +26,9 @@ from .rotary import build_cos_sin_cache
 __all__ = [
     "build_cos_sin_cache",
     "fused_add_rms_norm",
+    "fused_moe",
+    "fused_moe_warm_up",
+    "moe_route",
     "paged_attention",
     "paged_attention_decode",
     "penalise_logits",
@@ -255,3 +261,43 @@ def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tens
     if not use_triton(logits):
         return _logprobs.token_logprobs_ref(logits, target_ids)
     return _logprobs.token_logprobs(logits, target_ids)
+
+
+def moe_route(
+    logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (routing weights [T, K] weights_dtype, expert ids [T, K] int32):
+    softmax in float32, top-k, optionally renormalised to sum to 1."""
+    if not use_triton(logits):
+        return _moe_router.topk_softmax_ref(logits, top_k, renormalize, weights_dtype)
+    return _moe_router.topk_softmax(logits, top_k, renormalize, weights_dtype)
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    touched: torch.Tensor | None = None,
+    token_slots: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Routed experts' SiLU MLPs of hidden [T, H] (w13 [E, 2I, H] gate then up rows, w2
+    [E, H, I]) summed with topk_weights over topk_ids [T, K]; returns [T, H]. touched (a
+    one-element int64 counter) gains the experts real tokens (token_slots >= 0) reach."""
+    if not use_triton(hidden):
+        if touched is not None:
+            _moe_align.count_touched_ref(topk_ids, w13.shape[0], touched, token_slots)
+        return _fused_moe.fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)
+    return _fused_moe.fused_moe(
+        hidden, w13, w2, topk_weights, topk_ids, touched=touched, token_slots=token_slots
+    )
+
+
+def fused_moe_warm_up(
+    w13: torch.Tensor, w2: torch.Tensor, top_k: int, weights_dtype: torch.dtype
+) -> None:
+    """Compile the fused MoE kernels for every token count ahead of a run (CUDA only; a no-op
+    where the torch reference runs)."""
+    if use_triton(w13):
+        _fused_moe.warm_up(w13, w2, top_k, weights_dtype)

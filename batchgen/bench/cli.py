@@ -90,6 +90,19 @@ from batchgen.models.presets import PRESET_NAMES
     is_flag=True,
     help="Run every projection with cuBLAS's own pick (no cuBLASLt tuning).",
 )
+@click.option(
+    "--tensor-parallel-size",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Split the model over this many GPUs (processes on CPU); presets build each share "
+    "on its own GPU.",
+)
+@click.option(
+    "--disable-custom-all-reduce",
+    is_flag=True,
+    help="Tensor parallel: all-reduce through NCCL only (no one-shot kernel).",
+)
 @click.option("--max-num-seqs", type=int, default=None)
 @click.option("--max-num-batched-tokens", type=int, default=None)
 @click.option("--admission-interval", type=int, default=None)
@@ -145,6 +158,8 @@ def bench(**kw) -> None:
             kn_weights=not kw["no_kn_weights"],
             tune_gemms=not kw["no_tune_gemms"],
             seed=kw["seed"],
+            tensor_parallel_size=kw["tensor_parallel_size"],
+            disable_custom_all_reduce=kw["disable_custom_all_reduce"],
             **options,
         )
     except ConfigError as e:

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from batchgen.bench.gpu_power import PowerSampler, device_uuid
-from batchgen.bench.random_int4 import build_random_int4_model
-from batchgen.bench.random_model import build_random_model, preset_config
+from batchgen.bench.random_int4 import RandomInt4Preset, build_random_int4_model
+from batchgen.bench.random_model import RandomPreset, build_random_model, preset_config
 from batchgen.bench.timing import timed
 from batchgen.bench.workloads import Workload, warmup_workload
 from batchgen.config import EngineConfig
@@ -54,13 +54,21 @@ def build_bench(
         engine = LLMEngine(replace(config, model=model_path, max_model_len=max_model_len))
         return Bench(engine.config, engine.runner, None, model_path)
     device = resolve_device(config.device)
-    mc = ModelConfig.from_dict(preset_config(preset), source=f"preset {preset}")
+    raw = preset_config(preset)
+    mc = ModelConfig.from_dict(raw, source=f"preset {preset}")
     dtype = resolve_dtype(config.dtype, mc, device)
+    config = replace(config, model=PRESET_MODEL, max_model_len=max_model_len)
+    if config.tensor_parallel_size > 1:  # every rank builds its share on its own GPU
+        build = (
+            RandomInt4Preset(preset, dtype, config.seed, *int4)
+            if int4 is not None
+            else RandomPreset(preset, dtype, config.seed)
+        )
+        return Bench(config, ModelRunner(config, mc, max_model_len, build=build), raw, None)
     if int4 is not None:
         model, raw = build_random_int4_model(preset, dtype, device, config.seed, *int4)
     else:
         model, raw = build_random_model(preset, dtype, device, seed=config.seed)
-    config = replace(config, model=PRESET_MODEL, max_model_len=max_model_len)
     runner = ModelRunner.from_model(config, model, max_model_len)
     return Bench(config, runner, raw, None)
 
@@ -81,6 +89,9 @@ class RunResult:
     # The GPU during the timed run (gpu_power.summarize), {"error": why} where it could not be
     # sampled on CUDA, None off CUDA.
     gpu: dict[str, Any] | None = None
+    # Mixture-of-experts models: experts the steps' real tokens reached, summed over steps and
+    # sparse layers (the MoE roofline's expert reads); None for dense models.
+    experts_touched: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -127,6 +138,8 @@ def run_engine(bench: Bench, w: Workload, warmup: int = 16, **overrides: Any) ->
     if warmup:
         warm_up(engine, w, warmup)
     before = dataclasses.replace(engine.stats)
+    counter = getattr(bench.runner.model, "expert_counter", None)
+    touched_before = counter.read() if counter is not None else 0
 
     def go() -> int:
         submit(engine, w, "")
@@ -149,4 +162,5 @@ def run_engine(bench: Bench, w: Workload, warmup: int = 16, **overrides: Any) ->
         steps=s.num_steps - before.num_steps,
         errors=errors,
         gpu=gpu,
+        experts_touched=counter.read() - touched_before if counter is not None else None,
     )

@@ -4,12 +4,14 @@ checkpoint's are. The 16-bit projections are never allocated (llama3.1-70b's wou
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from batchgen.bench.random_model import init_random_, preset_config
+from batchgen.distributed.group import TensorParallel
 from batchgen.layers.int4_linear import Int4Linear, PackedInt4, concat_outputs
 from batchgen.models.config import ModelConfig
 from batchgen.models.int4 import gptq
@@ -49,16 +51,18 @@ def build_random_int4_model(
     seed: int = 0,
     group_size: int = 128,
     act_order: bool = False,
+    tp: TensorParallel | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Preset `preset` with 4-bit GPTQ projections (lm_head and embedding 16-bit, random as in
-    build_random_model) on `device`.
+    build_random_model) on `device`; with `tp`, this rank's share (random values of its own).
 
     Returns:
         (model, the HF config dict it was built from, with the GPTQ quantization_config).
     """
     raw = preset_config(preset)
     config = ModelConfig.from_dict(raw, source=f"preset {preset}")
-    model = build_model(config, dtype, torch.device("meta"))
+    model = build_model(config, dtype, torch.device("meta"), tp)
+    seed += tp.rank if tp is not None else 0
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     for name, linear, hf_names in projections(model):
         if name == "lm_head":
@@ -80,6 +84,23 @@ def build_random_int4_model(
     quant = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order,
              "sym": True, "checkpoint_format": "gptq"}  # fmt: skip
     return model, {**raw, "quantization_config": quant}
+
+
+@dataclass(frozen=True)
+class RandomInt4Preset:
+    """The engine's model builder for a random 4-bit preset (picklable: each tensor-parallel
+    rank builds its own share on its own GPU)."""
+
+    preset: str
+    dtype: torch.dtype
+    seed: int = 0
+    group_size: int = 128
+    act_order: bool = False
+
+    def __call__(self, device: torch.device, tp: TensorParallel | None = None) -> nn.Module:
+        return build_random_int4_model(
+            self.preset, self.dtype, device, self.seed, self.group_size, self.act_order, tp
+        )[0]
 
 
 def _with_perm(p: PackedInt4, perm: torch.Tensor) -> PackedInt4:

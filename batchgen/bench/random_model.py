@@ -3,25 +3,28 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from batchgen.distributed.group import TensorParallel
 from batchgen.layers.int4_linear import Int4Linear
 from batchgen.models.config import ModelConfig
 from batchgen.models.loader import build_model
 from batchgen.models.presets import BENCH_PRESETS, PRESET_NAMES, TINY_PRESETS
 
-# The `tiny` preset: the tiny Llama shape with a small vocabulary, for CPU smoke runs.
+# The `tiny` / `tiny-moe` presets: tiny shapes with a small vocabulary, for CPU smoke runs.
 TINY_VOCAB = 512
+_TINY_ARCH = {"tiny": "llama", "tiny-moe": "qwen3_moe"}
 _INIT_STD = 0.02  # HF initializer_range: activations stay finite in bf16 over 28-32 layers
 
 
 def preset_config(name: str) -> dict[str, Any]:
     """The HF-style config dict of preset `name` (a copy; callers may change it)."""
-    if name == "tiny":
-        return {**copy.deepcopy(TINY_PRESETS["llama"]), "vocab_size": TINY_VOCAB}
+    if name in _TINY_ARCH:
+        return {**copy.deepcopy(TINY_PRESETS[_TINY_ARCH[name]]), "vocab_size": TINY_VOCAB}
     if name not in BENCH_PRESETS:
         raise ValueError(f"model preset {name!r}: expected one of {', '.join(PRESET_NAMES)}")
     return copy.deepcopy(BENCH_PRESETS[name])
@@ -44,16 +47,34 @@ def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
 
 
 def build_random_model(
-    preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0
+    preset: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    tp: TensorParallel | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """Build preset `preset` on `device` with random weights.
+    """Build preset `preset` on `device` with random weights; with `tp`, only this rank's share
+    (its own random values: seed + rank), so no process ever holds the whole model.
 
     Returns:
         (model, the HF config dict it was built from).
     """
     raw = preset_config(preset)
-    model = build_model(ModelConfig.from_dict(raw, source=f"preset {preset}"), dtype, device)
-    return init_random_(model, seed), raw
+    model = build_model(ModelConfig.from_dict(raw, source=f"preset {preset}"), dtype, device, tp)
+    return init_random_(model, seed + (tp.rank if tp is not None else 0)), raw
+
+
+@dataclass(frozen=True)
+class RandomPreset:
+    """The engine's model builder for a random-weight preset (picklable: each tensor-parallel
+    rank builds its own share on its own GPU)."""
+
+    preset: str
+    dtype: torch.dtype
+    seed: int = 0
+
+    def __call__(self, device: torch.device, tp: TensorParallel | None = None) -> nn.Module:
+        return build_random_model(self.preset, self.dtype, device, self.seed, tp)[0]
 
 
 def parameter_bytes(model: nn.Module) -> int:

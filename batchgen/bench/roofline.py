@@ -47,12 +47,22 @@ class ModelShape:
         return 2.0 * self.non_embedding_params * count + self.attention_flops(start, count)
 
 
-def model_shape(model_config, non_embedding_params: int, weight_bytes: int, kv_itemsize: int):
+def model_shape(
+    model_config,
+    non_embedding_params: int,
+    weight_bytes: int,
+    kv_itemsize: int,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+):
+    """The shape the roofline costs. Tensor parallel: pass one rank's parameters, bytes and
+    heads (default: the config's), for the per-rank roofline (all-reduces not counted)."""
     c = model_config
-    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * kv_itemsize
+    kv_heads = num_kv_heads or c.num_key_value_heads
+    kv = 2 * c.num_hidden_layers * kv_heads * c.head_dim * kv_itemsize
     return ModelShape(
         c.num_hidden_layers,
-        c.num_attention_heads,
+        num_heads or c.num_attention_heads,
         c.head_dim,
         non_embedding_params,
         weight_bytes,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from batchgen.bench import roofline
+from batchgen.bench import moe_roofline, roofline
 from batchgen.bench.ceilings import measure_ceilings
 from batchgen.bench.engine_run import Bench, build_bench, run_engine
 from batchgen.bench.random_model import (
@@ -81,6 +81,8 @@ def _result(
     )
     out.setdefault("step_roofline_fraction", None)  # score workloads, the peer
     out.setdefault("achieved_tb_s", None)
+    out.setdefault("roofline_fraction_steps_taken", None)  # mixture-of-experts models only
+    out.setdefault("experts_touched_per_layer_step", None)
     out.setdefault("preemptions", None)
     out.setdefault("steps", None)
     out.setdefault("errors", None)
@@ -112,15 +114,28 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
             f"({tuning.timed} timed now, {tuning.seconds:.1f} s)"
         )
     model = bench.runner.model
+    # With tensor parallel, rank 0's share: the per-rank roofline (all-reduces not counted).
     shape = roofline.model_shape(
-        mc, non_embedding_params(model), parameter_bytes(model), bench.runner.dtype.itemsize
+        mc,
+        non_embedding_params(model),
+        parameter_bytes(model),
+        bench.runner.dtype.itemsize,
+        model.part.num_heads,
+        model.part.num_kv_heads,
     )
     cost = roofline.workload_cost(shape, w)
+    experts = moe_roofline.expert_shape(
+        mc, bench.runner.dtype.itemsize, model.part.expert_intermediate_size
+    )
+    if experts is not None:  # a step reads the experts its tokens reach, FLOPs the active ones
+        cost = moe_roofline.resident_cost(shape, experts, w)
     kv_tokens = bench.runner.num_kv_blocks * bench.runner.block_size
-    steps = step_roofline(
-        shape, w, decode_weight_bytes(model), kv_tokens, bench.runner.block_size,
-        ceilings["matmul_tflops"] * 1e12, ceilings["copy_tb_s"] * 1e12,
-    )  # fmt: skip
+    steps = None
+    if experts is None:  # MoE steps read only the experts their tokens reach: not this model
+        steps = step_roofline(
+            shape, w, decode_weight_bytes(model), kv_tokens, bench.runner.block_size,
+            ceilings["matmul_tflops"] * 1e12, ceilings["copy_tb_s"] * 1e12,
+        )  # fmt: skip
     del model  # the peer frees our model; keep no reference here
     log(f"{w.name}: {w.num_requests} requests, {opts.repeat} timed run(s) ...")
     runs = _repeat_engine(bench, w, opts.repeat, opts.warmup)
@@ -149,8 +164,12 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
             "weight_bytes": shape.weight_bytes,
             "quantization": opts.quantization,
             "kv_bytes_per_token": shape.kv_bytes_per_token,
+            "experts": dataclasses.asdict(experts) if experts is not None else None,
             "num_kv_blocks": bench.runner.num_kv_blocks,
             "max_model_len": max_len,
+            # > 1: parameters, bytes and the roofline are rank 0's share.
+            "tensor_parallel_size": opts.engine.tensor_parallel_size,
+            "all_reduce": _all_reduce_record(bench.runner),
         },
         # As run: mixed_chunk_tokens resolved for this model when the option is None (auto).
         "engine_config": {
@@ -166,6 +185,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         "pipeline": None,
         "peer": None,
     }
+    if experts is not None:
+        report["result"].update(_steps_taken(shape, experts, w, report["result"], ceilings))
     if w.name == "shared-prefix":
         log("shared-prefix: the same run with prefix caching off ...")
         off = _repeat_engine(bench, w, opts.repeat, opts.warmup, enable_prefix_caching=False)
@@ -179,7 +200,29 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         report["pipeline"] = _pipeline(bench, w, opts, cost, ceilings, report, log)
     if opts.peer == "hf":
         report["peer"] = _peer(bench, w, opts, cost, ceilings, report, log)
+    if bench.runner is not None:
+        bench.runner.shutdown()  # tensor parallel: the worker ranks stop here
     return report
+
+
+def _steps_taken(shape, experts, w, result, ceilings) -> dict[str, Any]:
+    """The MoE roofline over the steps our run took (moe_roofline.steps_taken_metrics)."""
+    return moe_roofline.steps_taken_metrics(
+        shape, experts, w, result["steps"], result["experts_touched"], result["wall_s"],
+        result.get("output_tokens", 0), ceilings["copy_tb_s"] * 1e12,
+    )  # fmt: skip
+
+
+def _all_reduce_record(runner) -> dict[str, Any] | None:
+    """Tensor parallel: where the one-shot all-reduce replaces NCCL, and the timings behind it."""
+    if runner.one_shot is None:
+        return None
+    limit, timings, why_off = runner.one_shot
+    return {
+        "one_shot_max_bytes": limit,
+        "why_nccl": why_off,
+        "timings_us": [{"bytes": b, "nccl": n, "one_shot": o} for b, n, o in timings],
+    }
 
 
 def _pipeline(bench, w, opts, cost, ceilings, report, log) -> dict[str, Any]:
@@ -208,6 +251,9 @@ def _peer(bench, w, opts, cost, ceilings, report, log) -> dict[str, Any]:
     block: dict[str, Any] = {"name": "hf", "runs": [], "result": None, "ratio": None}
     if w.is_score:
         block["error"] = "transformers continuous batching has no scoring API"
+        return block
+    if bench.config.tensor_parallel_size > 1:
+        block["error"] = "the transformers peer runs on one device (tensor_parallel_size 1)"
         return block
     log("peer hf: building the transformers model with the same weights ...")
     device, dtype = bench.device, bench.runner.dtype

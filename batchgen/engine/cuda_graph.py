@@ -7,6 +7,8 @@ buffers; a step copies its inputs into the buffers (padding up to the bucket) an
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -56,10 +58,18 @@ class DecodeGraphs:
         block_size: tokens per KV block.
         stage: (values, dtype) -> device tensor without a host sync (the runner's
             PinnedStager.to_device): how each step's inputs reach the static buffers.
+        on_bucket: called with each bucket before its graph is warmed up and captured.
     """
 
     def __init__(
-        self, model, kv_caches, max_batch: int, max_model_len: int, block_size: int, stage
+        self,
+        model,
+        kv_caches,
+        max_batch: int,
+        max_model_len: int,
+        block_size: int,
+        stage,
+        on_bucket: Callable[[int], None] | None = None,
     ):
         device = kv_caches[0][0].device
         self.sizes = bucket_sizes(max_batch)
@@ -75,7 +85,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.stage = stage
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._capture(model, kv_caches)
+        self._capture(model, kv_caches, on_bucket)
 
     def _context(self, bs: int, kv_caches) -> AttentionContext:
         return AttentionContext(
@@ -90,9 +100,11 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def _capture(self, model, kv_caches) -> None:
+    def _capture(self, model, kv_caches, on_bucket=None) -> None:
         pool = None
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
+            if on_bucket is not None:
+                on_bucket(bs)
             ctx = self._context(bs, kv_caches)
             args = (self.input_ids[:bs], self.positions[:bs], ctx)
             graph, out = capture_forward(model, args, pool)  # out: [bs, H]

@@ -96,6 +96,12 @@ class LLMEngine:
         self._heap = HeapFreeze()
         weakref.finalize(self, self._heap.release)
 
+    def shutdown(self) -> None:
+        """Release the engine's other processes now (tensor parallel: stop the worker ranks,
+        leave the process group); also done when the engine is collected or the interpreter
+        exits. The engine cannot step afterwards."""
+        self.runner.shutdown()
+
     # ---- requests in ---------------------------------------------------------------------
     def add_request(
         self,

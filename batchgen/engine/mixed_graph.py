@@ -21,6 +21,8 @@ before them), store nothing, and their results are never read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -46,6 +48,13 @@ MIXED_BUCKET_STEP = 32
 # Prompt tokens past P ride in a mixed step's padding decode rows (riding_rows); 0 leaves those
 # rows empty, as before b749dde (for A/B runs).
 RIDE_PADDING_ROWS = 1
+
+# With tensor parallel, 0 captures no mixed graphs: mixed steps run eagerly, and
+# mixed_chunk_tokens=None (auto) resolves to 0, as eager mixed steps cost more host time than
+# they hide. 1 captures them as on one GPU (their collectives are the decode graphs', on the
+# capturing stream after the chunk's side stream has joined). Rank 0's value holds for every
+# rank. tests/gpu/test_tensor_parallel_gpu.py checks tensor parallel 2 against 1 either way.
+TENSOR_PARALLEL_MIXED_GRAPHS = 0
 
 
 def mixed_bucket_sizes(max_batch: int) -> list[int]:
@@ -75,6 +84,7 @@ class MixedGraphs:
         block_size: tokens per KV block.
         stage: (values, dtype) -> device tensor without a host sync.
         pool: a CUDA graph memory pool to share (the decode graphs'; steps never overlap).
+        on_bucket: called with each bucket before its graph is warmed up and captured.
     """
 
     def __init__(
@@ -87,6 +97,7 @@ class MixedGraphs:
         block_size: int,
         stage,
         pool=None,
+        on_bucket: Callable[[int], None] | None = None,
     ):
         device = kv_caches[0][0].device
         self.sizes = list(decode_sizes)
@@ -104,7 +115,7 @@ class MixedGraphs:
         self.tables = torch.zeros(n + k, self.max_blocks, dtype=torch.int32, device=device)
         self.stage = stage
         self.replays: dict = {}  # bucket -> () -> hidden [bs + P, H]
-        self._capture(model, kv_caches, pool)
+        self._capture(model, kv_caches, pool, on_bucket)
 
     def _context(self, bs: int, kv_caches) -> AttentionContext:
         n, k, p = self.sizes[-1], MIXED_CHUNK_SEQS, self.chunk
@@ -123,7 +134,7 @@ class MixedGraphs:
         )
 
     @torch.inference_mode()
-    def _capture(self, model, kv_caches, pool) -> None:
+    def _capture(self, model, kv_caches, pool, on_bucket=None) -> None:
         """One graph per bucket on CUDA. On CPU (tests of the layout) each bucket runs the model
         eagerly over the same static buffers instead."""
         cuda = self.tokens.is_cuda
@@ -133,6 +144,8 @@ class MixedGraphs:
         self.meta[n + k :] = torch.tensor([0] + [p] * k, dtype=torch.int32)
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
             rows = bs + p
+            if on_bucket is not None:
+                on_bucket(bs)
             ctx = self._context(bs, kv_caches)
             args = (self.tokens[0, :rows], self.tokens[1, :rows], ctx)
             if not cuda:

@@ -1,29 +1,47 @@
 """ModelRunner: owns the model, the KV cache and the sampler; runs one scheduled step on the device.
 
-The one place where the scheduler's Python lists become device tensors.
+The one place where the scheduler's Python lists become device tensors. With tensor parallel,
+rank 0's runner also starts the other ranks and sends each step's inputs to their runners,
+which run the same forward in lockstep (`execute`); see batchgen.engine.tensor_parallel.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import weakref
 
 import torch
 
 from batchgen.config import ConfigError, EngineConfig
 from batchgen.cpu_threads import cpu_threads_to_set
-from batchgen.engine.cuda_graph import DecodeGraphs, bucket_sizes
+from batchgen.distributed.group import TensorParallel, TensorParallelError
+from batchgen.distributed.one_shot import select_one_shot
+from batchgen.distributed.watchdog import Watchdog
+from batchgen.distributed.workers import WorkerError, WorkerPool
+from batchgen.engine import mixed_graph
+from batchgen.engine.cuda_graph import smallest_bucket
+from batchgen.engine.graph_capture import capture_graphs
 from batchgen.engine.host_to_device import PinnedStager
-from batchgen.engine.mixed_graph import MixedGraphs, mixed_bucket_sizes
+from batchgen.engine.kv_cache_size import kv_block_bytes, num_kv_blocks
 from batchgen.engine.prompt_allowance import auto_chunk_tokens
+from batchgen.engine.rank_guard import RankGuard
 from batchgen.engine.request_checks import check_cache_size
 from batchgen.engine.sampler import Sampler, SamplingBatch
 from batchgen.engine.scheduler_output import ScheduledSequence
 from batchgen.engine.step_handle import StepHandle
 from batchgen.engine.step_inputs import StepInputs, build_step_inputs, pad_block_tables
+from batchgen.engine.tensor_parallel import (
+    ModelBuilder,
+    rank_device,
+    resolve_kind,
+    start_tensor_parallel,
+)
 from batchgen.kernels import ops
-from batchgen.layers import gemm_tuning, linear
+from batchgen.layers import linear
 from batchgen.layers.context import AttentionContext
 from batchgen.layers.int4_linear import weight_count
 from batchgen.models.config import ModelConfig
-from batchgen.models.loader import load_model
+from batchgen.models.loader import CheckpointLoader
 
 # Rows of logits computed at once for scoring, bounding the [rows, vocab] buffer.
 _SCORE_CHUNK = 1024
@@ -44,25 +62,99 @@ def resolve_device(device: str) -> torch.device:
 
 
 class ModelRunner:
-    """Loads the model, sizes and allocates the paged KV cache, executes steps."""
+    """Loads the model, sizes and allocates the paged KV cache, executes steps.
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+    Args:
+        config, model_config, max_model_len: the engine's settings and model.
+        build: (device, tp) -> model; default: the checkpoint at config.model.
+        tp / peers / watchdog: given on tensor-parallel ranks > 0 (their process group, their
+            link to rank 0 and the deadline of their start-up phases, see tp_worker.py); rank
+            0's runner makes its own when config.tensor_parallel_size > 1.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        max_model_len: int,
+        build: ModelBuilder | None = None,
+        tp: TensorParallel | None = None,
+        peers=None,
+        watchdog: Watchdog | None = None,
+    ):
         self.config = config
         self.model_config = model_config
-        self.device = resolve_device(config.device)
-        self.model, _ = load_model(config.model, config.dtype, self.device, config.allow_pickle)
-        self._init(max_model_len)
+        self.tp, self.peers = tp, peers
+        self.device = tp.device if tp is not None else resolve_device(config.device)
+        build = build or CheckpointLoader(config.model, config.dtype, config.allow_pickle)
+        if tp is None and config.tensor_parallel_size > 1:  # rank 0 starts the others
+            self.device = rank_device(self.device, 0)
+            self.tp, self.peers = start_tensor_parallel(
+                config, model_config, max_model_len, build, self.device
+            )
+            self._stop = weakref.finalize(self, _close, self.tp, self.peers)
+            if self.tp.backend == "nccl":  # a step waiting on a dead rank's NCCL kernels returns
+                self.peers.on_failure = self.tp.close
+            watchdog = Watchdog(0, _aborter(self.tp))
+        self.guard = RankGuard(self.tp, watchdog if self.tp is not None else None)
+        try:
+            self.model = build(self.device, self.tp)
+            self._init(max_model_len)
+            self.guard.started()
+        except WorkerError as e:
+            self.guard.close()
+            self.shutdown()
+            raise resolve_kind(e.kind, str(e)) or e from None
+        except BaseException as e:
+            failure = self._tp_failure(e)
+            self.guard.close()
+            self.shutdown()
+            if failure is not None:
+                raise failure from e
+            raise
 
     @classmethod
     def from_model(cls, config: EngineConfig, model, max_model_len: int) -> ModelRunner:
-        """Wrap an already-built model (random-weight benchmark presets)."""
+        """Wrap an already-built model (random-weight benchmark presets; one device)."""
         self = cls.__new__(cls)
         self.config = config
         self.model_config = model.config
         self.device = next(model.parameters()).device
+        self.tp = self.peers = None
+        self.guard = RankGuard(None)
         self.model = model
         self._init(max_model_len)
         return self
+
+    def _tp_failure(self, error: BaseException) -> TensorParallelError | None:
+        """Rank 0, start-up failed with `error`: the tensor-parallel cause to raise instead (a
+        phase that ran out of time, a worker that died), or None to raise error itself."""
+        if self.guard.expired is not None:
+            return TensorParallelError(self.guard.expired)
+        if not isinstance(self.peers, WorkerPool) or isinstance(
+            error, (ConfigError, TensorParallelError)
+        ):
+            return None
+        try:
+            self.peers.raise_if_died(error)
+        except TensorParallelError as died:
+            return died
+        return None
+
+    def _agree(self, phase: str, value, reduce=None):
+        """One value settled across the tensor-parallel ranks at a start-up phase (rank 0 sends
+        reduce([its value, rank 1's, ...]) to all); `value` itself without tensor parallel."""
+        if self.peers is None:
+            return value
+        return self.peers.agree(phase, value, reduce)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks and leave the process group (rank 0; a no-op
+        otherwise and when done before). The engine cannot run steps after it."""
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            self.graphs = self.mixed_graphs = None  # graphs captured collectives: free first
+            stop()
 
     def _init(self, max_model_len: int) -> None:
         self.dtype = next(self.model.parameters()).dtype
@@ -79,27 +171,42 @@ class ModelRunner:
             self.model.kn_weights_()  # cuBLAS's NN kernels read the wide weights faster
         self.block_size = self.config.block_size
         self.max_model_len = max_model_len
+        # Every rank has its share: the whole model's size is their sum.
+        # (4-bit projections count their in x out weights.)
+        num_params = self._agree("loaded", weight_count(self.model), sum)
+        # Mixed-step graphs: rank 0's switch holds for every rank (mixed_graph.py).
+        mixed_graphs = self.tp is None or self._agree(
+            "mixed graphs", bool(mixed_graph.TENSOR_PARALLEL_MIXED_GRAPHS), lambda vs: vs[0]
+        )
         # The scheduler's mixed_chunk_tokens, the option resolved for this model.
         self.mixed_chunk_tokens = self.config.mixed_chunk_tokens
         if self.mixed_chunk_tokens is None:
-            num_params = weight_count(self.model)  # 4-bit projections count in x out
             self.mixed_chunk_tokens = auto_chunk_tokens(
                 num_params, self.config.max_num_batched_tokens
             )
+            if not mixed_graphs:
+                self.mixed_chunk_tokens = 0
         self.stager = PinnedStager(self.device)
         self.sampler = Sampler(self.stager.to_device)
-        self.num_kv_blocks = self._num_kv_blocks()
+        self._last_tokens = None  # a worker's copy of the last step's sampled tokens
+        c = self.model_config
+        self.num_kv_heads = self.model.part.num_kv_heads  # this rank's (all without tp)
+        block_bytes = kv_block_bytes(
+            c.num_hidden_layers, self.num_kv_heads, c.head_dim, self.block_size, self.dtype
+        )
+        with self.guard.phase("memory profile"):  # a forward with collectives (GPU)
+            blocks = num_kv_blocks(self.model, self.config, max_model_len, self.device, block_bytes)
+        self.num_kv_blocks = self._agree("kv blocks", blocks, min)  # what every rank holds
         too_small = check_cache_size(self.num_kv_blocks * self.block_size, max_model_len)
         if too_small is not None:
             raise ConfigError(too_small)
-        c = self.model_config
         # [2 (k, v), layers, blocks, block_size, kv_heads, head_dim]; per-layer views below.
         self.kv_cache = torch.zeros(
             2,
             c.num_hidden_layers,
             self.num_kv_blocks,
             self.block_size,
-            c.num_key_value_heads,
+            self.num_kv_heads,
             c.head_dim,
             dtype=self.dtype,
             device=self.device,
@@ -108,35 +215,29 @@ class ModelRunner:
             (self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(c.num_hidden_layers)
         ]
         self.graphs = self.mixed_graphs = None
-        self.tune_report = None
+        self.tune_report = self.one_shot = None
         linear.clear_tuning()  # shapes an earlier runner in this process tuned
-        if self.device.type == "cuda" and not self.config.enforce_eager:
-            chunk = self.mixed_chunk_tokens
-            mixed = mixed_bucket_sizes(self.config.max_num_seqs) if chunk else []
-            if self.config.tune_gemms:
-                sizes = bucket_sizes(self.config.max_num_seqs)
-                rows = sizes + [s + chunk for s in mixed]
-                groups = self.model.projection_groups()
-                self.tune_report = gemm_tuning.tune_projections(groups, rows)
-            self.graphs = DecodeGraphs(
-                self.model,
-                self.kv_caches,
-                self.config.max_num_seqs,
-                max_model_len,
-                self.block_size,
-                self.stager.to_device,
-            )
-            if chunk:
-                self.mixed_graphs = MixedGraphs(
-                    self.model,
-                    self.kv_caches,
-                    mixed,
-                    chunk,
-                    max_model_len,
-                    self.block_size,
-                    self.stager.to_device,
-                    self.graphs.pool,
+        if self.tp is not None and not self.config.disable_custom_all_reduce:
+            # (threshold bytes, timings, why off): measured with every rank; see one_shot.py.
+            with self.guard.phase("one-shot all-reduce set-up"):
+                self.one_shot = select_one_shot(
+                    self.tp, self._agree, c.hidden_size, self.config.max_num_seqs, self.dtype
                 )
+        captured = capture_graphs(
+            self.model,
+            self.kv_caches,
+            self.config,
+            max_model_len,
+            self.num_kv_blocks,
+            self.mixed_chunk_tokens if mixed_graphs else 0,
+            self.stager.to_device,
+            self.tp,
+            self.guard,
+            self._agree,
+        )
+        self.graphs, self.mixed_graphs = captured.graphs, captured.mixed_graphs
+        self.tune_report = captured.tune_report
+        self._agree("ready", None, lambda vs: None)
 
     def mixed_chunk_room(self, num_decode_rows: int) -> int:
         """Prompt tokens a mixed step with num_decode_rows decode rows may carry beyond
@@ -144,43 +245,6 @@ class ModelRunner:
         if self.mixed_graphs is None:
             return 0
         return self.mixed_graphs.riding_rows(num_decode_rows)
-
-    def block_bytes(self) -> int:
-        c = self.model_config
-        per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
-        return per_token * self.block_size * self.dtype.itemsize
-
-    def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        if self.device.type == "cuda":
-            return self._profile_gpu_blocks()
-        budget = int(self.config.cpu_kv_cache_gb * 2**30) // self.block_bytes()
-        # No point holding more than every sequence at full length.
-        needed = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
-        return max(1, min(budget, needed))
-
-    @torch.inference_mode()
-    def _profile_gpu_blocks(self) -> int:
-        """Blocks that fit in gpu_memory_utilization x total after weights and a peak step."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len * 4)
-        lengths = []
-        while sum(lengths) < num_tokens:
-            lengths.append(min(self.max_model_len, num_tokens - sum(lengths)))
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        pos = torch.cat([torch.arange(n, device=self.device) for n in lengths])
-        hidden = self.model(ids, pos, AttentionContext.for_prompts(lengths, self.device))
-        self.model.compute_logits(hidden[: self.config.max_num_seqs]).float()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        del hidden
-        torch.cuda.empty_cache()
-        budget = min(int(total * self.config.gpu_memory_utilization) - peak, free)
-        return max(0, budget // self.block_bytes())
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         return self.stager.to_device(values, dtype)
@@ -223,16 +287,75 @@ class ModelRunner:
 
         `previous` is the step still in flight: its sampled tokens, which this step's decode
         rows may take as input (PENDING_TOKEN in their token_ids), are read on the device.
+
+        Tensor parallel: the step's inputs go to the other ranks first (their runners' execute),
+        then every rank runs the forward; rank 0 samples and broadcasts the sampled tokens.
+
+        Raises:
+            TensorParallelError: another rank died or failed (the engine cannot go on).
         """
+        try:
+            if self.peers is not None:
+                self.peers.check()
+            self.stager.begin_step()
+            step = build_step_inputs(scheduled, self.block_size)
+            sources = self._pending_sources(step, previous)
+            if self.peers is not None:
+                self.peers.send_step((dataclasses.replace(step, pending_seqs=[]), sources))
+            previous_tokens = previous.tokens if previous is not None else None
+            hidden, sample_rows = self._forward(step, previous_tokens, sources)
+            tokens = raw_logprobs = None
+            if sample_rows:
+                logits = self._logits(hidden, sample_rows)  # [N, V], the model's dtype
+                tokens, raw_logprobs = self.sampler.sample(logits, sampling)
+                if self.tp is not None:
+                    self.tp.broadcast_(tokens)  # the next step's pending inputs, on every rank
+            sample_ids = [item.seq.seq_id for item in scheduled if item.samples]
+            return StepHandle(
+                self.stager,
+                tokens,
+                raw_logprobs,
+                sampling.params,
+                {seq_id: i for i, seq_id in enumerate(sample_ids)},
+                *self._score(hidden, step),
+                check=self.peers.check if self.peers is not None else None,
+            )
+        except TensorParallelError:
+            raise
+        except Exception as e:
+            if self.peers is not None:  # a collective broke because a rank died: say which
+                self.peers.raise_if_died(e)
+            raise
+
+    @torch.inference_mode()
+    def execute(self, message: tuple[StepInputs, list[int] | None]) -> None:
+        """A tensor-parallel rank > 0: run the step rank 0's launch described, in lockstep with
+        it (same forward, the logits gathers, the sampled tokens' broadcast)."""
+        step, sources = message
         self.stager.begin_step()
-        step = build_step_inputs(scheduled, self.block_size)
+        hidden, sample_rows = self._forward(step, self._last_tokens, sources)
+        self._last_tokens = None
+        if sample_rows:
+            self._logits(hidden, sample_rows)
+            tokens = torch.empty(len(sample_rows), dtype=torch.int64, device=self.device)
+            self._last_tokens = self.tp.broadcast_(tokens)
+        self._score(hidden, step)
+
+    def _forward(
+        self, step: StepInputs, previous_tokens: torch.Tensor | None, sources: list[int] | None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The model over the step: (hidden [rows, H], the rows of hidden to sample)."""
         patch = None
-        if step.pending_rows:
-            patch = self._pending_patch(step, previous)
+        if sources is not None:
+            patch = self._pending_patch(step.pending_rows, sources, previous_tokens)
         sample_rows = step.sample_rows
-        if self.graphs is not None and self.graphs.can_run(step):
+        decode = self.graphs is not None and self.graphs.can_run(step)
+        mixed = not decode and self.mixed_graphs is not None and self.mixed_graphs.can_run(step)
+        if self.guard.logging:
+            self.guard.step(step, self._run_kind(step, decode, mixed))
+        if decode:
             hidden = self.graphs.run(step, patch)  # [B, H]
-        elif self.mixed_graphs is not None and self.mixed_graphs.can_run(step):
+        elif mixed:
             hidden = self.mixed_graphs.run(step, patch)  # [bs + P, H]
             sample_rows = self.mixed_graphs.graph_rows(step, sample_rows)
         else:
@@ -241,30 +364,39 @@ class ModelRunner:
                 patch(input_ids)
             positions = self._tensor(step.positions, torch.int64)
             hidden = self.model(input_ids, positions, self._context(step))  # [T, H]
-        tokens = raw_logprobs = None
-        if sample_rows:
-            rows = self._tensor(sample_rows, torch.int64)
-            logits = self.model.compute_logits(hidden[rows])  # [N, V], the model's dtype
-            tokens, raw_logprobs = self.sampler.sample(logits, sampling)
-        sample_ids = [item.seq.seq_id for item in scheduled if item.samples]
-        return StepHandle(
-            self.stager,
-            tokens,
-            raw_logprobs,
-            sampling.params,
-            {seq_id: i for i, seq_id in enumerate(sample_ids)},
-            *self._score(hidden, step),
-        )
+        return hidden, sample_rows
 
-    def _pending_patch(self, step: StepInputs, previous: StepHandle | None):
-        """A function writing the in-flight step's sampled tokens into input_ids [T]."""
+    def _run_kind(self, step: StepInputs, decode: bool, mixed: bool) -> str:
+        """How a step runs, for the step log: its graph and bucket, or eager."""
+        if decode:
+            return f"decode-graph bs={smallest_bucket(self.graphs.sizes, len(step.seq_lens))}"
+        if mixed:
+            bs = smallest_bucket(self.mixed_graphs.sizes, step.num_decode_rows)
+            return f"mixed-graph bs={bs}+{self.mixed_graphs.chunk}"
+        return "eager"
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+        """Logits [n, V] of hidden's rows `rows`; None on tensor-parallel ranks > 0 (they
+        compute their vocabulary share for rank 0's gather)."""
+        return self.model.compute_logits(hidden[self._tensor(rows, torch.int64)])
+
+    def _pending_sources(self, step: StepInputs, previous: StepHandle | None) -> list[int] | None:
+        """For each pending row, its token's index in the in-flight step's sampled tokens."""
+        if not step.pending_rows:
+            return None
         if previous is None or previous.tokens is None:
             raise RuntimeError("a step has pending input tokens but no step in flight")
-        src = [previous.sample_index[seq.seq_id] for seq in step.pending_seqs]
-        idx = self._tensor([step.pending_rows, src], torch.int64)  # [2, P]: row, source
+        return [previous.sample_index[seq.seq_id] for seq in step.pending_seqs]
+
+    def _pending_patch(self, rows: list[int], sources: list[int], tokens: torch.Tensor | None):
+        """A function writing tokens[sources] (the in-flight step's sampled tokens, on the
+        device) into input_ids [T] at `rows`."""
+        if tokens is None:
+            raise RuntimeError("a step has pending input tokens but no sampled tokens")
+        idx = self._tensor([rows, sources], torch.int64)  # [2, P]: row, source
 
         def patch(input_ids: torch.Tensor) -> None:
-            input_ids[idx[0]] = previous.tokens[idx[1]]
+            input_ids[idx[0]] = tokens[idx[1]]
 
         return patch
 
@@ -273,11 +405,31 @@ class ModelRunner:
         resolve): (owners [n] host list, logprobs [n] float32, matches [n] bool)."""
         lps, matches = [], []
         for lo in range(0, len(step.score_rows), _SCORE_CHUNK):
-            rows = self._tensor(step.score_rows[lo : lo + _SCORE_CHUNK], torch.int64)
+            logits = self._logits(hidden, step.score_rows[lo : lo + _SCORE_CHUNK])  # [n, V]
+            if logits is None:
+                continue  # a rank > 0: its share went into rank 0's gather
             targets = self._tensor(step.score_targets[lo : lo + _SCORE_CHUNK], torch.int64)
-            logits = self.model.compute_logits(hidden[rows])  # [n, V], never all positions
             lps.append(ops.token_logprobs(logits, targets))  # [n] float32
             matches.append(logits.argmax(dim=-1) == targets)
         if not lps:
             return step.score_owner, None, None
         return step.score_owner, torch.cat(lps), torch.cat(matches)
+
+
+def _aborter(tp: TensorParallel):
+    """Rank 0's watchdog action (its thread): abort the NCCL communicators, so the call waiting
+    on the other ranks returns and start-up raises the watchdog's message."""
+
+    def abort(message: str) -> None:
+        if tp.backend == "nccl":
+            tp.close()
+
+    return abort
+
+
+def _close(tp: TensorParallel, pool) -> None:
+    """Stop the workers, then leave the process group (rank 0's shutdown and finalizer)."""
+    try:
+        pool.close()
+    finally:
+        tp.close()

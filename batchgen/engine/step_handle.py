@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from batchgen.engine.host_to_device import PinnedStager
@@ -25,6 +27,8 @@ class StepHandle:
         sample_index: seq_id -> row of `tokens`.
         score_owner: batch row owning each scored position (host list).
         score_logprobs / score_matches: [n] float32 / bool per scored position, or None.
+        check: called once the step is done, before its results are read (tensor parallel:
+            raises if another rank died, whose step results cannot be trusted).
     """
 
     def __init__(
@@ -37,12 +41,14 @@ class StepHandle:
         score_owner: list[int],
         score_logprobs: torch.Tensor | None,
         score_matches: torch.Tensor | None,
+        check: Callable[[], None] | None = None,
     ) -> None:
         self.tokens = tokens
         self.raw_logprobs = raw_logprobs
         self.params = params
         self.sample_index = sample_index
         self.score_owner = score_owner
+        self._check = check
         self._host = [stager.to_host(t) for t in (tokens, score_logprobs, score_matches)]
         self._event = None
         device = next((t.device for t in (tokens, score_logprobs) if t is not None), None)
@@ -59,8 +65,15 @@ class StepHandle:
         scores: (batch row, log-prob of the candidate token, whether it was the argmax) for
             every scored position, in order.
         """
-        if self._event is not None:
-            self._event.synchronize()
+        try:
+            if self._event is not None:
+                self._event.synchronize()
+        except Exception:
+            if self._check is not None:
+                self._check()  # a rank died under the step: say so rather than the CUDA error
+            raise
+        if self._check is not None:
+            self._check()
         tokens, lps, matches = (t.tolist() if t is not None else [] for t in self._host)
         logprobs = None
         if self.raw_logprobs is not None:

@@ -52,6 +52,18 @@ class StepInputs:
         return max(b - a for a, b in zip(self.cu_seqlens_q, self.cu_seqlens_q[1:]))
 
 
+def describe_step(step: StepInputs) -> str:
+    """One line of a step's shape (tensor-parallel step logs): tokens, sequences, decode rows,
+    prompt chunks, sampled / scored / pending rows, widest block table."""
+    d = step.num_decode_rows
+    width = max(map(len, step.block_tables), default=0)
+    return (
+        f"tokens={len(step.input_ids)} seqs={len(step.seq_lens)} decode={d} "
+        f"chunks={len(step.seq_lens) - d} sample={len(step.sample_rows)} "
+        f"score={len(step.score_rows)} pending={len(step.pending_rows)} blocks={width}"
+    )
+
+
 def build_step_inputs(scheduled: list[ScheduledSequence], block_size: int) -> StepInputs:
     """Gather token ids, positions and cache slots for each scheduled chunk, in batch order."""
     step = StepInputs()

@@ -115,7 +115,17 @@ def _valid_record(record) -> bool:
 
 
 def _save_cache(path: str) -> None:
-    data = {"version": CACHE_VERSION, "results": _results}
+    # Records another process wrote since this one read the file (tensor-parallel ranks tune
+    # at once: the other ranks' shapes, e.g. o / down without accumulation) are kept.
+    on_disk: dict[str, dict] = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if data.get("version") == CACHE_VERSION and isinstance(data.get("results"), dict):
+            on_disk = {k: v for k, v in data["results"].items() if _valid_record(v)}
+    except (OSError, ValueError, AttributeError):
+        pass
+    data = {"version": CACHE_VERSION, "results": {**on_disk, **_results}}
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_bytes(path, json.dumps(data, indent=0, sort_keys=True).encode())

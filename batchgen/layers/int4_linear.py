@@ -187,28 +187,29 @@ def int4_linear(
     layer: Int4Linear,
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """layer's product for x [..., K] (+ bias), or residual [M, N] += it in place (returned).
+    """layer's product for x [..., K] (+ bias); residual [M, N] += it in place, or out [M, N]
+    = it (either is then returned).
 
     CUDA: the tuned path for the row count (fused kernel, or dequantize + cuBLAS); elsewhere
     the fp32 reference, rounded once to x's dtype.
     """
     lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
     p = layer.packed()
+    into = residual if residual is not None else out
     if not ops.use_triton(x2):
         y = int4_gemm_ref(x2, p.qweight, p.scales, p.zeros, p.group_size, p.perm, bias, residual)
-        if residual is not None:
-            return residual.copy_(y)
-        return y.view(*lead, y.shape[-1])
+        return into.copy_(y) if into is not None else y.view(*lead, y.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     choice = int4_tuning.choose(x2.shape[0], layer, x2.dtype)
     if choice is int4_tuning.DEQUANT:
-        y = dense_product(x2, p, bias, residual)
+        y = dense_product(x2, p, bias, residual, out)
     else:
         y = int4_gemm(x2, p.qweight, p.scales, p.zeros, p.group_size, choice, p.perm, bias,
-                      residual)  # fmt: skip
-    return y if residual is not None else y.view(*lead, y.shape[-1])
+                      residual, out)  # fmt: skip
+    return y if into is not None else y.view(*lead, y.shape[-1])
 
 
 def dense_product(
@@ -216,13 +217,14 @@ def dense_product(
     p: PackedInt4,
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The prefill path: W dequantized to x's dtype ([K, N] scratch in input-channel order,
-    freed after the product), then one cuBLAS GEMM."""
+    freed after the product), then one cuBLAS GEMM (into residual, or out, when given)."""
     w = dequantize_int4(p.qweight, p.scales, p.zeros, p.group_size, x.dtype, p.perm)  # [K, N]
     if residual is not None:
         residual.addmm_(x, w)
         return residual if bias is None else residual.add_(bias)
     if bias is None:
-        return torch.mm(x, w)
-    return torch.addmm(bias, x, w)
+        return torch.mm(x, w, out=out)
+    return torch.addmm(bias, x, w, out=out)

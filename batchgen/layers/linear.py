@@ -1,6 +1,7 @@
-"""The models' projections: y = x @ W^T (`linear`) and residual += x @ W^T (`add_linear_`), through
-a cuBLASLt algorithm registered for the exact shape (batchgen.layers.gemm_tuning registers the
-ones that beat cuBLAS), else through torch (F.linear / addmm: cuBLAS's own pick; always on CPU).
+"""The models' projections: y = x @ W^T (`linear`; `linear_out_` into a given tensor) and
+residual += x @ W^T (`add_linear_`), through a cuBLASLt algorithm registered for the exact shape
+(batchgen.layers.gemm_tuning registers the ones that beat cuBLAS), else through torch (F.linear /
+addmm / mm: cuBLAS's own pick; always on CPU).
 A 4-bit weight (its packed int32 tensor, batchgen.layers.int4_linear) runs its layer's product.
 """
 
@@ -69,3 +70,16 @@ def add_linear_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -
         return residual.addmm_(x, weight.t())
     product, algo = entry
     return product(x, weight, algo, out=residual)
+
+
+def linear_out_(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """out [M, N] = x [M, K] @ weight [N, K]^T, written into out (the GEMM's beta = 0: out's
+    old values are never read); returns out."""
+    if weight.dtype == torch.int32:
+        return int4_linear(x, weight.int4_layer, out=out)
+    ok = out.is_contiguous() and out.dtype == x.dtype
+    entry = _tuned(x, weight, False) if ok else None
+    if entry is None:
+        return torch.mm(x, weight.t(), out=out)
+    product, algo = entry
+    return product(x, weight, algo, out=out)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.models.errors import ModelLoadError
+from batchgen.models.moe_config import MoeConfig, moe_config
 from batchgen.models.registry import supported_architectures
 from batchgen.short_repr import short_repr
 
@@ -37,6 +38,7 @@ class ModelConfig:
     torch_dtype: str | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default=())
+    moe: MoeConfig | None = None  # routed experts (Qwen3-MoE, Mixtral); None for dense models
 
     @classmethod
     def from_dir(cls, path: str) -> ModelConfig:
@@ -104,11 +106,12 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: head_dim={head_dim} must be even (rotary embedding)")
         max_pos = size("max_position_embeddings", 2048)
         rope_theta, rope_scaling = _rope(raw, source)
-        if arch == "MistralForCausalLM" or (
-            arch == "Qwen2ForCausalLM" and raw.get("use_sliding_window")
+        windowed = ("MistralForCausalLM", "MixtralForCausalLM")
+        if arch in windowed or (
+            arch in ("Qwen2ForCausalLM", "Qwen3MoeForCausalLM") and raw.get("use_sliding_window")
         ):
             window = raw.get("sliding_window")
-            if window is not None and (arch != "MistralForCausalLM" or int(window) < max_pos):
+            if window is not None and (arch not in windowed or int(window) < max_pos):
                 raise ModelLoadError(
                     f"{source}: sliding_window={window} attention is not supported yet; "
                     "use a checkpoint whose config has sliding_window null"
@@ -133,13 +136,18 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
-            o_bias=attention_bias if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") else False,
+            o_bias=attention_bias if arch in _O_BIAS else False,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos,
+            moe=moe_config(raw, arch, size("num_hidden_layers"), source, size),
         )
+
+
+# Architectures whose attention_bias also puts a bias on o_proj.
+_O_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 # The largest value each size may take: far past every published model (vocabularies reach
@@ -154,6 +162,12 @@ SIZE_BOUNDS = {
     "num_key_value_heads": 1024,
     "head_dim": 1024,
     "max_position_embeddings": 1 << 25,
+    # Mixtures of experts (moe_config.py); Qwen3-235B-A22B has 128 experts, DeepSeek-V3 256.
+    "num_experts": 1 << 14,
+    "num_local_experts": 1 << 14,
+    "num_experts_per_tok": 1 << 10,
+    "moe_intermediate_size": 1 << 20,
+    "decoder_sparse_step": 1024,
 }
 
 

@@ -3,28 +3,46 @@
 The architectures differ only in switches carried by ModelConfig: q/k/v (and o) biases (Qwen2,
 Llama's attention_bias), q/k RMSNorm over head_dim (Qwen3), rope scaling and tied embeddings.
 Projections are fused at load time: q/k/v into qkv_proj, gate/up into gate_up_proj.
+
+Tensor parallel (a TensorParallel given): each rank builds its share (distributed/partition.py):
+its query and KV heads in qkv_proj (fused [q, k, v] of its own heads), its columns of gate_up,
+the matching input columns of o and down, whose partial outputs one all-reduce each sums, and
+its rows of the vocabulary in the embedding and the LM head (logits gathered on rank 0).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from batchgen.kernels import ops
 from torch import nn
 
+from batchgen.distributed.group import TensorParallel
+from batchgen.distributed.layers import VocabParallelEmbedding, reduce_rows
+from batchgen.distributed.partition import Partition, RowBlock
 from batchgen.layers.activation import SiluAndMul
 from batchgen.layers.attention import Attention
 from batchgen.layers.context import AttentionContext
-from batchgen.layers.linear import add_linear_, linear
+from batchgen.layers.linear import add_linear_, linear, linear_out_
 from batchgen.layers.norm import RMSNorm
 from batchgen.layers.rotary import RotaryEmbedding
 from batchgen.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        part: Partition,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = part.num_heads  # this rank's heads (all of them without tp)
+        self.num_kv_heads = part.num_kv_heads
+        self.tp = tp
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -51,7 +69,8 @@ class LlamaAttention(nn.Module):
         rms_eps given (norms folded, see LlamaForCausalLM.fold_norms_): hidden is the
         un-normalised residual stream, the input norm's weight sits in qkv_proj, and the row
         scale 1 / RMS(hidden) is applied to the qkv rows (in rope_and_store_kv on the cache
-        path). The o projection is then added into hidden in place, which is returned.
+        path). The o projection is then added into hidden in place and the sum returned
+        (_output_projection).
         """
         num_tokens = hidden.shape[0]
         qkv = linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq + 2 Hk) * D]
@@ -73,9 +92,7 @@ class LlamaAttention(nn.Module):
             )  # fmt: skip
             out = self.attn.attend(q, ctx)  # [T, Hq, D]
         out = out.reshape(num_tokens, self.q_size)
-        if not folded:
-            return linear(out, self.o_proj.weight, self.o_proj.bias)  # [T, hidden]
-        return _add_projection_(hidden, out, self.o_proj)
+        return _output_projection(hidden if folded else None, out, self.o_proj, self.tp)
 
     def _split_norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor):
         """The cache-free path (plain forwards): qkv -> rotated q [T, Hq, D], k [T, Hk, D], v."""
@@ -93,38 +110,68 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self, config: ModelConfig, part: Partition, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
-        inter = config.intermediate_size
+        inter = part.intermediate_size  # this rank's columns (all of them without tp)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
         self.act_fn = SiluAndMul()
+        self.tp = tp
 
     def forward(self, hidden: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
         """[T, H] -> [T, 2I] -> [T, I] -> [T, H]. rms_eps given (norms folded): hidden is the
         un-normalised residual stream, scaled by 1 / RMS inside SiLU-and-mul, and the down
-        projection is added into hidden in place, which is returned."""
+        projection is added into hidden in place and the sum returned (_output_projection)."""
         gate_up = linear(hidden, self.gate_up_proj.weight, self.gate_up_proj.bias)
         if rms_eps is None:
-            return linear(self.act_fn(gate_up), self.down_proj.weight, self.down_proj.bias)
+            return _output_projection(None, self.act_fn(gate_up), self.down_proj, self.tp)
         act = self.act_fn(gate_up, rms_rows=hidden, rms_eps=rms_eps)
-        return _add_projection_(hidden, act, self.down_proj)
+        return _output_projection(hidden, act, self.down_proj, self.tp)
 
 
-def _add_projection_(residual: torch.Tensor, x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
-    """residual += proj(x) in place: the residual add done by the GEMM itself (beta = 1), so no
-    add kernel runs between the projection and the next one. Returns residual."""
-    add_linear_(residual, x, proj.weight)
+def _output_projection(
+    residual: torch.Tensor | None, x: torch.Tensor, proj: nn.Linear, tp: TensorParallel | None
+) -> torch.Tensor:
+    """proj(x) [T, H] for o / down; with a residual (folded norms), residual + proj(x) computed
+    in place by the GEMM itself (beta = 1), so no add kernel runs between the projection and the
+    next one.
+
+    Tensor parallel: each rank's x holds its heads / columns, so its product is a partial sum;
+    one all-reduce adds them. Folded, rank 0 adds its partial into the residual stream and the
+    other ranks overwrite their copy of it with theirs (beta = 0), so the sum carries the
+    residual once. The bias, held whole by every rank, is added after the sum.
+    Returns the result (residual itself, or a new tensor).
+    """
+    if tp is None and residual is None:
+        return linear(x, proj.weight, proj.bias)
+    if tp is not None and residual is None:
+        return reduce_rows(tp, linear(x, proj.weight), proj.bias)
+    if tp is None or tp.rank == 0:
+        add_linear_(residual, x, proj.weight)
+    else:
+        linear_out_(residual, x, proj.weight)
+    if tp is not None:
+        return reduce_rows(tp, residual, proj.bias)
     if proj.bias is not None:
         residual.add_(proj.bias)
     return residual
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        part: Partition,
+        mlp: nn.Module,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, part, tp)
+        self.mlp = mlp  # LlamaMLP, or a mixture-of-experts block (models/moe_decoder.py)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norms_folded = False  # set by LlamaForCausalLM.fold_norms_
@@ -154,14 +201,26 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        part: Partition,
+        mlp_block: Callable[[int], nn.Module],
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if tp is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(part, config.hidden_size, tp)
         rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, i, rotary_emb) for i in range(config.num_hidden_layers)]
+            [
+                LlamaDecoderLayer(config, i, rotary_emb, part, mlp_block(i), tp)
+                for i in range(config.num_hidden_layers)
+            ]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -193,21 +252,53 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        # This rank's share (rank 0 of 1: everything); raises ConfigError where tp cannot split.
+        self.part = Partition.of(config, tp.rank, tp.size) if tp else Partition.of(config)
+        self.model = LlamaModel(config, self.part, self.mlp_block, tp)
+        self.lm_head = nn.Linear(config.hidden_size, self.part.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def mlp_block(self, layer_idx: int) -> nn.Module:
+        """The MLP of decoder layer layer_idx (mixture-of-experts models override this)."""
+        return LlamaMLP(self.config, self.part, self.tp)
+
     def shard_sizes(self, fused: str) -> list[int]:
-        """Row counts of the pieces stacked into a fused projection, in order."""
-        c = self.config
+        """Row counts of the pieces stacked into a fused projection, in order (this rank's)."""
+        p = self.part
         if fused == "qkv_proj":
-            kv = c.num_key_value_heads * c.head_dim
-            return [c.num_attention_heads * c.head_dim, kv, kv]
-        return [c.intermediate_size, c.intermediate_size]
+            kv = p.num_kv_heads * p.head_dim
+            return [p.num_heads * p.head_dim, kv, kv]
+        return [p.intermediate_size, p.intermediate_size]
+
+    # Hugging Face module -> the rows of its weight (dim 0) or columns (dim 1) a rank holds.
+    _COLUMN_PARALLEL = {
+        "q_proj": Partition.q_rows,
+        "k_proj": Partition.kv_rows,
+        "v_proj": Partition.kv_rows,
+        "gate_proj": Partition.intermediate_rows,
+        "up_proj": Partition.intermediate_rows,
+        "embed_tokens": Partition.vocab_rows,
+        "lm_head": Partition.vocab_rows,
+    }
+    _ROW_PARALLEL = {"o_proj": Partition.q_rows, "down_proj": Partition.intermediate_rows}
+
+    def tp_slice(self, hf_name: str) -> tuple[int, RowBlock] | None:
+        """The part of checkpoint tensor `hf_name` this rank loads: (dim, block), or None for
+        the whole tensor (without tensor parallel; norms; o / down biases)."""
+        parts = hf_name.split(".")
+        if self.tp is None or len(parts) < 2:
+            return None
+        module, kind = parts[-2:]
+        if module in self._COLUMN_PARALLEL:
+            return 0, self._COLUMN_PARALLEL[module](self.part)
+        if module in self._ROW_PARALLEL and kind == "weight":
+            return 1, self._ROW_PARALLEL[module](self.part)
+        return None
 
     @property
     def norms_folded(self) -> bool:
@@ -287,7 +378,10 @@ class LlamaForCausalLM(nn.Module):
             mods = [getattr(getattr(layer, path), attr) for layer in self.model.layers]
             if any(m.bias is not None or not m.weight.is_floating_point() for m in mods):
                 continue  # torch runs biased projections; 4-bit ones run their own kernels
-            accumulate = attr in ("o_proj", "down_proj") and self.norms_folded
+            # Folded, o / down add into the residual stream; on tensor-parallel ranks but the
+            # first they overwrite their copy of it instead (_output_projection).
+            first = self.tp is None or self.tp.rank == 0
+            accumulate = attr in ("o_proj", "down_proj") and self.norms_folded and first
             groups.append(([m.weight for m in mods], accumulate))
         return groups
 
@@ -297,6 +391,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> hidden states [T, H]."""
         return self.model(input_ids, positions, ctx)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] -> logits [N, V]."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [N, H] -> logits [N, V]. Tensor parallel: every rank computes its vocabulary
+        rows' logits [N, V / N_ranks]; rank 0 gets them all, the other ranks None."""
+        logits = self.lm_head(hidden)
+        if self.tp is None:
+            return logits
+        return self.tp.gather_columns(logits)

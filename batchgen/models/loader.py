@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from batchgen.distributed.group import TensorParallel
 from batchgen.models.checkpoint_check import check_checkpoint
 from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
@@ -31,23 +34,31 @@ def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torc
     )
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """An uninitialized-but-allocated model of the right class (random weights from nn init)."""
+def build_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None
+) -> nn.Module:
+    """An uninitialized-but-allocated model of the right class (random weights from nn init);
+    with `tp`, only this rank's share of it."""
     cls = model_class(config.architecture)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(config)
+            model = cls(config, tp) if tp is not None else cls(config)
     finally:
         torch.set_default_dtype(previous)
     return model.eval()
 
 
 def load_model(
-    path: str, dtype: str = "auto", device: str | torch.device = "cpu", allow_pickle: bool = False
+    path: str,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    allow_pickle: bool = False,
+    tp: TensorParallel | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
-    """Load config and weights of `path` onto `device`.
+    """Load config and weights of `path` onto `device`; with `tp`, this rank's share only,
+    read slice by slice from the safetensors files (model.tp_slice says which).
 
     Raises:
         ModelLoadError: naming the file or tensor at fault and what was expected.
@@ -59,21 +70,37 @@ def load_model(
     dtype = resolve_dtype(dtype, config, device)
     files = find_weight_files(path, allow_pickle)
     if int4 is None:
-        model = build_model(config, dtype, device)
-        load_weights(model, iter_tensors(files))
+        model = build_model(config, dtype, device, tp)
+        load_weights(model, iter_tensors(files, model.tp_slice if tp is not None else None))
         return model, config
     # 4-bit projections: never allocated in 16 bits (built on meta, swapped, materialized).
     plan = Int4LoadPlan(int4, device, dtype)
-    model = build_model(config, dtype, torch.device("meta"))
+    model = build_model(config, dtype, torch.device("meta"), tp)
     plan.prepare(model)
     materialize_(model, device, config)
-    load_weights(model, plan.tensors(iter_tensors(files)))
+    load_weights(
+        model, plan.tensors(iter_tensors(files, plan.tp_slice if tp is not None else None))
+    )
     plan.finish(model)
     return model, config
 
 
+@dataclass(frozen=True)
+class CheckpointLoader:
+    """Builds the model of a checkpoint directory on a device (a tensor-parallel rank's share
+    with `tp`): what the engine's ranks each call, picklable so rank 0 can send it to them."""
+
+    path: str
+    dtype: str = "auto"
+    allow_pickle: bool = False
+
+    def __call__(self, device: torch.device, tp: TensorParallel | None = None) -> nn.Module:
+        return load_model(self.path, self.dtype, device, self.allow_pickle, tp)[0]
+
+
 def load_weights(model: nn.Module, tensors) -> None:
-    """Copy (file, HF name, tensor) triples into the model, fusing packed projections.
+    """Copy (file, HF name, tensor) triples into the model, fusing packed projections (and
+    stacking per-expert tensors, for models that say how: see _our_name and _shard_sizes).
 
     Every parameter (and every shard of a fused one) must be filled exactly once.
     """
@@ -83,9 +110,8 @@ def load_weights(model: nn.Module, tensors) -> None:
     for name in params:
         if tied and name == "lm_head.weight":
             continue
-        fused = next((f for f, _ in model.packed_modules.values() if f"{f}." in name), None)
-        count = len(model.shard_sizes(fused)) if fused else 1
-        needed.update((name, i) for i in range(count))
+        sizes = _shard_sizes(model, name)
+        needed.update((name, i) for i in range(len(sizes) if sizes else 1))
     filled: set[tuple[str, int]] = set()
     unexpected: list[str] = []
     for file, hf_name, tensor in tensors:
@@ -98,8 +124,10 @@ def load_weights(model: nn.Module, tensors) -> None:
         param = params[name]
         target = param.data
         if shard is not None:
-            sizes = model.shard_sizes(name.split(".")[-2])
+            sizes = _shard_sizes(model, name)
             offset = sum(sizes[:shard])
+            if target.dim() == 3:  # stacked experts [E, R, C]: shards are rows of [E * R, C]
+                target = target.flatten(0, 1)
             target = target.narrow(0, offset, sizes[shard])
         if tuple(tensor.shape) != tuple(target.shape):
             raise ModelLoadError(
@@ -125,8 +153,24 @@ def load_weights(model: nn.Module, tensors) -> None:
         )
 
 
+def _shard_sizes(model: nn.Module, name: str) -> list[int] | None:
+    """Row counts of the checkpoint tensors parameter `name` is fused from, in order (None: one
+    tensor). A model's own param_shard_sizes(name) answers first where it has one."""
+    own = getattr(model, "param_shard_sizes", None)
+    sizes = own(name) if own is not None else None
+    if sizes is not None:
+        return sizes
+    fused = next((f for f, _ in model.packed_modules.values() if f"{f}." in name), None)
+    return model.shard_sizes(fused) if fused else None
+
+
 def _our_name(model: nn.Module, hf_name: str) -> tuple[str, int | None]:
-    """HF tensor name -> (our parameter name, shard index within a fused parameter or None)."""
+    """HF tensor name -> (our parameter name, shard index within a fused parameter or None).
+    A model's own checkpoint_name(hf_name) answers first where it has one."""
+    own = getattr(model, "checkpoint_name", None)
+    mapped = own(hf_name) if own is not None else None
+    if mapped is not None:
+        return mapped
     for hf_part, (ours, shard) in model.packed_modules.items():
         if f".{hf_part}." in hf_name:
             return hf_name.replace(f".{hf_part}.", f".{ours}."), shard

@@ -4,24 +4,35 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
+from batchgen.models.moe_config import CHECKPOINT_NAMES, MoeConfig
 from batchgen.models.presets import TINY_PRESETS
 from batchgen.models.tiny_tokenizer import BOS, CHAT_TEMPLATE, EOS, train_tokenizer
 
 
-def make_model(out_dir: str, arch: str, preset: str = "tiny", seed: int = 0) -> None:
+def make_model(
+    out_dir: str,
+    arch: str,
+    preset: str = "tiny",
+    seed: int = 0,
+    overrides: dict[str, Any] | None = None,
+) -> None:
     """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json and
     generation_config.json for a random tiny `arch` model into `out_dir`.
 
     Args:
         out_dir: target directory (created; existing model files in it are replaced).
-        arch: one of llama, mistral, qwen2, qwen3.
+        arch: one of llama, mistral, qwen2, qwen3, qwen3_moe, mixtral.
         preset: only "tiny" is written to disk (benchmark shapes are built on the device).
         seed: seeds the weights; the same seed gives the same tensors.
+        overrides: config.json keys to change from the preset (e.g. num_key_value_heads,
+            attention_bias, tie_word_embeddings: variants for tests).
     """
     if preset != "tiny":
         raise ModelLoadError(f"preset {preset!r}: make-model writes only the 'tiny' preset")
@@ -38,6 +49,7 @@ def make_model(out_dir: str, arch: str, preset: str = "tiny", seed: int = 0) -> 
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
         "torch_dtype": "float32",
+        **(overrides or {}),
     }
     tensors = _random_weights(config, seed)
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
@@ -80,7 +92,9 @@ def _random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     def norm_weight(n: int) -> torch.Tensor:
         return 1.0 + normal(n, std=0.1)
 
-    qkv_bias = config["architectures"][0] == "Qwen2ForCausalLM" or config.get("attention_bias")
+    arch = config["architectures"][0]
+    qkv_bias = arch == "Qwen2ForCausalLM" or config.get("attention_bias")
+    moe = ModelConfig.from_dict(config, source="preset").moe
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(vocab, h, std=0.5)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -97,9 +111,12 @@ def _random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
         out[p + "self_attn.o_proj.weight"] = normal(h, heads * d)
         if config.get("attention_bias"):
             out[p + "self_attn.o_proj.bias"] = normal(h)
-        if config["architectures"][0] == "Qwen3ForCausalLM":
+        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             out[p + "self_attn.q_norm.weight"] = norm_weight(d)
             out[p + "self_attn.k_norm.weight"] = norm_weight(d)
+        if moe is not None and moe.sparse_layers[i]:
+            out.update(_expert_weights(config, p, moe, normal))
+            continue
         out[p + "mlp.gate_proj.weight"] = normal(inter, h)
         out[p + "mlp.up_proj.weight"] = normal(inter, h)
         out[p + "mlp.down_proj.weight"] = normal(h, inter)
@@ -107,3 +124,18 @@ def _random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     if not config["tie_word_embeddings"]:
         out["lm_head.weight"] = normal(vocab, h, std=0.5)
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _expert_weights(config: dict, prefix: str, moe: MoeConfig, normal) -> dict[str, torch.Tensor]:
+    """A sparse layer's router and per-expert tensors under the Hub's names: Qwen3-MoE's
+    mlp.experts.{e}.gate_proj / up_proj / down_proj, Mixtral's block_sparse_moe.experts.{e}.w1
+    (gate) / w3 (up) / w2 (down). A router std of 1 keeps the top-k choices decisive."""
+    h, inter = config["hidden_size"], moe.intermediate_size
+    block, (gate, up, down) = CHECKPOINT_NAMES[config["architectures"][0]]
+    block = f"{prefix}{block}."
+    out = {block + "gate.weight": normal(moe.num_experts, h, std=1.0)}
+    for e in range(moe.num_experts):
+        out[f"{block}experts.{e}.{gate}.weight"] = normal(inter, h)
+        out[f"{block}experts.{e}.{up}.weight"] = normal(inter, h)
+        out[f"{block}experts.{e}.{down}.weight"] = normal(h, inter)
+    return out

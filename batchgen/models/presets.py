@@ -52,6 +52,32 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
         "use_sliding_window": False,
         "sliding_window": None,
     },
+    # Mixtures of experts: layer 0 sparse, layer 1 dense (mlp_only_layers), as Qwen3-MoE allows.
+    "qwen3_moe": {
+        **_TINY,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "tie_word_embeddings": False,
+        "head_dim": 32,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+    },
+    "mixtral": {
+        **_TINY,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "tie_word_embeddings": False,
+        "sliding_window": None,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    },
 }
 
 # Real architectures (examples/benchmarks/README.md) for random-weight benchmarks; built
@@ -121,8 +147,53 @@ BENCH_PRESETS: dict[str, dict[str, Any]] = {
         "bos_token_id": 128000,
         "eos_token_id": [128001, 128008, 128009],
     },
+    # 30.5B parameters (61 GB in bf16), 3.3B active: 8 of 128 experts per token.
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+    # 46.7B parameters (93 GB in bf16: one H200, or tensor parallel), 12.9B active: top-2 of 8.
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"],
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 32000,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
 }
 
-# Names `batchgen bench --model-preset` takes: the benchmark architectures, and `tiny` (the tiny
-# Llama shape with a small vocabulary, for CPU smoke runs; built in bench/random_model.py).
-PRESET_NAMES = (*BENCH_PRESETS, "tiny")
+# Names `batchgen bench --model-preset` takes: the benchmark architectures, and `tiny` /
+# `tiny-moe` (the tiny Llama / Qwen3-MoE shapes with a small vocabulary, for CPU smoke runs;
+# built in bench/random_model.py).
+PRESET_NAMES = (*BENCH_PRESETS, "tiny", "tiny-moe")

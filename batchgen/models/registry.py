@@ -12,6 +12,8 @@ _REGISTRY = {
     "MistralForCausalLM": "batchgen.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "batchgen.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "batchgen.models.llama:LlamaForCausalLM",
+    "Qwen3MoeForCausalLM": "batchgen.models.moe_decoder:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "batchgen.models.moe_decoder:MixtralForCausalLM",
 }
 
 

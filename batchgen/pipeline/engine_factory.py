@@ -71,6 +71,8 @@ def model_limits(job: JobSpec) -> ModelLimits:
     is checked against the weight files' headers (no weights are read). A directory without
     weight files (config and tokenizer copied to validate a job elsewhere) skips that
     comparison; a run on it fails when the model loads, before anything is allocated."""
+    from batchgen.config import ConfigError
+    from batchgen.engine.tensor_parallel import check_tensor_parallel
     from batchgen.models.checkpoint_check import check_checkpoint
     from batchgen.models.config import ModelConfig
     from batchgen.models.errors import ModelLoadError
@@ -82,5 +84,9 @@ def model_limits(job: JobSpec) -> ModelLimits:
             check_checkpoint(job.model.path, mc, job.model.engine_config().allow_pickle)
     except ModelLoadError as e:
         raise JobError(f"model.path: {e}") from None
-    configured = job.model.engine_config().max_model_len
-    return ModelLimits.of(mc.max_position_embeddings, mc.vocab_size, configured)
+    engine = job.model.engine_config()
+    try:  # a tensor_parallel_size this model or machine cannot take, before anything loads
+        check_tensor_parallel(engine, mc)
+    except ConfigError as e:
+        raise JobError(f"{job.source}: model.{e}") from None
+    return ModelLimits.of(mc.max_position_embeddings, mc.vocab_size, engine.max_model_len)

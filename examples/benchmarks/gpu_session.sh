@@ -4,6 +4,7 @@
 # Stages: tests kernels nano-qwen nano-llama nano-qwen3 nano-llama3 shared-prefix summarize score
 #         peer-qwen peer-llama profile-qwen profile-llama profile-qwen-small run-qwen run-llama
 #         timeline-qwen jit-qwen decode-tune placement
+#         tests-moe nano-moe jit-moe moe-layer moe-tune tests-moe-tp nano-mixtral-tp2
 # Writes logs and JSON under $OUT (default ./out/gpu). Wheels in .whl/ (e.g. polars) are
 # installed to /tmp/site first when present, for machines without them.
 set -uo pipefail
@@ -52,6 +53,20 @@ for stage in $stages; do
     timeline-qwen) python3 examples/benchmarks/step_timeline.py qwen3-0.6b async sync \
       2>&1 | tee "$OUT/timeline_qwen.log" ;;
     jit-qwen) python3 examples/benchmarks/jit_misses.py qwen3-0.6b 2>&1 | tee "$OUT/jit_qwen.log" ;;
+    tests-moe) python3 -m pytest -m gpu tests/gpu/test_moe_gpu.py tests/kernels/test_fused_moe.py \
+      tests/kernels/test_moe_align.py tests/kernels/test_moe_router.py -q -p no:warnings \
+      2>&1 | tee "$OUT/gpu_tests_moe.log" ;;
+    nano-moe) bench --workload nano --model-preset qwen3-30b-a3b --repeat 3 \
+      --json "$OUT/nano_moe.json" ;;
+    jit-moe) python3 examples/benchmarks/jit_misses.py qwen3-30b-a3b 2>&1 | tee "$OUT/jit_moe.log" ;;
+    moe-layer) python3 -m batchgen.bench.moe_layer --preset qwen3-30b-a3b \
+      --json "$OUT/moe_layer.json" 2>&1 | tee "$OUT/moe_layer.log" ;;
+    moe-tune) python3 -m batchgen.bench.moe_tune --shape qwen3-30b-a3b \
+      --tokens 1 4 16 64 128 256 384 512 --json "$OUT/moe_tune.json" 2>&1 | tee "$OUT/moe_tune.log" ;;
+    tests-moe-tp) python3 -m pytest -m gpu tests/gpu/test_moe_tp_gpu.py -q -p no:warnings -s \
+      2>&1 | tee "$OUT/gpu_tests_moe_tp.log" ;;
+    nano-mixtral-tp2) bench --workload nano --model-preset mixtral-8x7b --tensor-parallel-size 2 \
+      --json "$OUT/nano_mixtral_tp2.json" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

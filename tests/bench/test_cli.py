@@ -46,6 +46,20 @@ def test_nano_smoke_json_has_every_field(tmp_path):
     assert report["peer"] is None
 
 
+def test_moe_smoke_reports_the_experts_roofline(tmp_path):
+    report = _run(
+        tmp_path, "--workload", "nano", "--num-prompts", "4", "--model-preset", "tiny-moe"
+    )
+    result = report["result"]
+    _assert_result(result)
+    assert report["model"]["architecture"] == "Qwen3MoeForCausalLM"
+    assert report["model"]["experts"]["num_experts"] == 8
+    # Each step's tokens reach between top_k (2) and all 8 experts of the sparse layer.
+    assert 2 <= result["experts_touched_per_layer_step"] <= 8
+    assert result["experts_touched"] >= 2 * result["steps"]
+    assert result["roofline_fraction_steps_taken"] > 0 and result["roofline_fraction"] > 0
+
+
 def test_shared_prefix_smoke_runs_caching_off(tmp_path):
     report = _run(tmp_path, "--workload", "shared-prefix", "--num-prompts", "16")
     off = report["prefix_caching_off"]

@@ -119,9 +119,9 @@ def test_async_outputs_equal_sync(model_path, options, monkeypatch):
     pending_patch = ModelRunner._pending_patch
     resolve_token = Scheduler.resolve_token
 
-    def spy_patch(self, step, previous):
-        patches.append(len(step.pending_rows))
-        return pending_patch(self, step, previous)
+    def spy_patch(self, rows, sources, tokens):
+        patches.append(len(rows))
+        return pending_patch(self, rows, sources, tokens)
 
     def spy_resolve(self, seq, index, token):
         kept = resolve_token(self, seq, index, token)

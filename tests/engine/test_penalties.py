@@ -174,9 +174,9 @@ def test_frequency_and_presence_equal_a_reference_loop_and_stay_async(
     patches = []
     pending_patch = ModelRunner._pending_patch
 
-    def spy(self, step, previous):
-        patches.append(len(step.pending_rows))
-        return pending_patch(self, step, previous)
+    def spy(self, rows, sources, tokens):
+        patches.append(len(rows))
+        return pending_patch(self, rows, sources, tokens)
 
     monkeypatch.setattr(ModelRunner, "_pending_patch", spy)
     llm = LLM(model_path, dtype="float32", max_model_len=128, **options)

@@ -136,6 +136,20 @@ def test_cache_round_trip(fresh_cache, tmp_path):
     assert gemm_tuning._loaded_from == path
 
 
+def test_save_keeps_records_another_process_wrote(fresh_cache, tmp_path):
+    # Tensor-parallel ranks tune at once and each saves: none may drop the other's shapes.
+    path = tmp_path / "gemm_tuning.json"
+    theirs = {"algo": None, "us": 9.0, "cublas_us": 9.0}
+    ours = {"algo": "cd" * 64, "us": 30.0, "cublas_us": 35.0}
+    mine_before = {"algo": None, "us": 1.0, "cublas_us": 1.0}
+    records = {"rank1|acc": theirs, "shared": mine_before}
+    path.write_text(json.dumps({"version": gemm_tuning.CACHE_VERSION, "results": records}))
+    gemm_tuning._results.update({"rank0|out": ours, "shared": ours})
+    gemm_tuning._save_cache(str(path))
+    saved = json.loads(path.read_text())["results"]
+    assert saved == {"rank1|acc": theirs, "rank0|out": ours, "shared": ours}
+
+
 def test_corrupt_cache_warns_and_loads_nothing(fresh_cache, tmp_path):
     path = tmp_path / "gemm_tuning.json"
     path.write_text("{not json")

@@ -22,12 +22,12 @@ _FLOAT = ("F16", "BF16", "F32")
 @dataclass
 class Int4Checkpoint:
     """scheme; modules: HF module name -> (out, in) of its 16-bit weight; tensors: the
-    format's tensor names the headers hold (checked)."""
+    format's tensor names the headers hold (checked), with their shapes."""
 
     scheme: Int4Scheme
     source: str
     modules: dict[str, tuple[int, int]] = field(default_factory=dict)
-    tensors: set[str] = field(default_factory=set)
+    tensors: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def refuse_unless_int4(qc, source: str) -> None:
@@ -74,7 +74,8 @@ def read_int4_checkpoint(
                 "stay 16-bit)"
             )
         out.modules[module] = shape
-        out.tensors.update(_check_module(scheme, module, shape, headers))
+        names = _check_module(scheme, module, shape, headers)
+        out.tensors.update({name: headers[name].shape for name in names})
     return out
 
 

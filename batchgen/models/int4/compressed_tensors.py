@@ -23,14 +23,19 @@ _OFFSET = 8  # signed 4-bit value + 8 = the stored nibble
 
 
 def to_packed(
-    tensors: dict[str, torch.Tensor], group_size: int, symmetric: bool, where: str
+    tensors: dict[str, torch.Tensor],
+    group_size: int,
+    symmetric: bool,
+    where: str,
+    shape: tuple[int, int] | None = None,
 ) -> PackedInt4:
     """One module's tensors (by suffix) as a PackedInt4; group_size -1 is per channel;
-    ValueError naming `where`."""
-    packed, scale, shape = (tensors[s] for s in REQUIRED)
-    if shape.numel() != 2:
-        raise ValueError(f"{where}.weight_shape: expected 2 values, got {shape.tolist()}")
-    n, k = (int(v) for v in shape.tolist())
+    ValueError naming `where`. shape: the (N, K) of the tensors given, where they are a
+    tensor-parallel rank's block (weight_shape gives the whole module's)."""
+    packed, scale, whole = (tensors[s] for s in REQUIRED)
+    if whole.numel() != 2:
+        raise ValueError(f"{where}.weight_shape: expected 2 values, got {whole.tolist()}")
+    n, k = shape if shape is not None else (int(v) for v in whole.tolist())
     if packed.dtype != torch.int32 or packed.shape != (n, -(-k // nibbles.PACK)):
         raise ValueError(
             f"{where}.weight_packed: expected int32 [{n}, {-(-k // 8)}] for weight_shape "

@@ -15,10 +15,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from batchgen.distributed.partition import RowBlock
 from batchgen.layers.int4_linear import Int4Linear, PackedInt4, concat_outputs
 from batchgen.models.errors import ModelLoadError
 from batchgen.models.int4 import awq, compressed_tensors, gptq
 from batchgen.models.int4.checkpoint import Int4Checkpoint
+from batchgen.models.int4.tp_slices import format_slice
 
 
 def projections(model: nn.Module) -> list[tuple[str, nn.Module, list[str]]]:
@@ -49,6 +51,8 @@ class Int4LoadPlan:
     def __init__(self, checkpoint: Int4Checkpoint, device: torch.device, dtype: torch.dtype):
         self.ckpt = checkpoint
         self.device, self.dtype = device, dtype
+        self.model: nn.Module | None = None
+        self.k_blocks: dict[str, RowBlock] = {}  # HF module -> its input columns (row-parallel)
         self.layers: dict[str, Int4Linear] = {}  # our module name -> its layer
         self.shards: dict[str, tuple[str, int]] = {}  # HF module -> (our module, shard)
         self.parts: dict[str, list[PackedInt4 | None]] = {}  # our module -> converted parts
@@ -57,6 +61,7 @@ class Int4LoadPlan:
     def prepare(self, model: nn.Module) -> None:
         """Replace every projection the checkpoint stores in 4 bits with an Int4Linear."""
         src = self.ckpt.source
+        self.model = model
         for name, linear, hf_names in projections(model):
             four = [h for h in hf_names if h in self.ckpt.modules]
             if not four:
@@ -84,6 +89,29 @@ class Int4LoadPlan:
                 "runs it in 16 bits"
             )
 
+    def tp_slice(self, hf_name: str) -> tuple[int, RowBlock] | None:
+        """A tensor-parallel rank's block of checkpoint tensor hf_name: the model's for 16-bit
+        tensors, the matching block of a 4-bit module's format tensors (tp_slices.py)."""
+        module, _, suffix = hf_name.rpartition(".")
+        if module not in self.shards or suffix not in self.ckpt.scheme.suffixes:
+            return self.model.tp_slice(hf_name)
+        part = self.model.tp_slice(module + ".weight")
+        if part is None:
+            return None
+        dim, block = part
+        if dim == 1:
+            self.k_blocks[module] = block
+        n = self.ckpt.modules[module][0]
+        unpacked = self.ckpt.tensors.get(hf_name, (0,))[0] == n  # a zero point [N, G]
+        try:
+            return format_slice(
+                self.ckpt.scheme.method, suffix, dim, block, self.ckpt.scheme.group_size, unpacked
+            )
+        except ValueError as e:
+            raise ModelLoadError(
+                f"{self.ckpt.source}: tensor parallel cannot split {module}: {e}"
+            ) from None
+
     def tensors(self, stream) -> Iterator[tuple[str, str, torch.Tensor]]:
         """The stream without the format's tensors, which convert the modules as they complete."""
         suffixes = self.ckpt.scheme.suffixes
@@ -104,18 +132,25 @@ class Int4LoadPlan:
 
     def _convert(self, file: str, module: str, held: dict[str, torch.Tensor]) -> None:
         scheme = self.ckpt.scheme
+        ours, shard = self.shards[module]
+        layer = self.layers[ours]
+        sizes = (
+            self.model.shard_sizes(ours.rpartition(".")[2]) if len(self.parts[ours]) > 1 else None
+        )
+        shape = (sizes[shard] if sizes else layer.out_features, layer.in_features)  # this rank's
         try:
+            if module in self.k_blocks:
+                self._local_groups(module, held)
             if scheme.method == "gptq":
                 packed = gptq.to_packed(held, scheme.group_size, scheme.v1_zeros, module)
             elif scheme.method == "awq":
                 packed = awq.to_packed(held, scheme.group_size, module)
             else:
                 packed = compressed_tensors.to_packed(
-                    held, scheme.group_size, scheme.symmetric, module
+                    held, scheme.group_size, scheme.symmetric, module, shape
                 )
         except ValueError as e:
             raise ModelLoadError(f"{file}: {e}") from None
-        ours, shard = self.shards[module]
         parts = self.parts[ours]
         parts[shard] = packed
         if all(p is not None for p in parts):
@@ -126,6 +161,26 @@ class Int4LoadPlan:
             except ValueError as e:
                 raise ModelLoadError(f"{self.ckpt.source}: {e}") from None
             self.parts[ours] = []  # done; the layer holds the tensors
+
+    def _local_groups(self, module: str, held: dict[str, torch.Tensor]) -> None:
+        """A row-parallel rank's g_idx covers its input columns only: it must list them in
+        group order (then it is dropped: the local layout is plain), since an act order spreads
+        each group's channels over every rank."""
+        block = self.k_blocks[module]
+        for key in ("g_idx", "weight_g_idx"):
+            g_idx = held.pop(key, None)
+            if g_idx is None:
+                continue
+            size = self.ckpt.modules[module][1] if self.ckpt.scheme.group_size == -1 else (
+                self.ckpt.scheme.group_size
+            )  # fmt: skip
+            plain = torch.arange(block.start, block.start + block.length, device=g_idx.device)
+            if not torch.equal(g_idx.long(), plain // size):
+                raise ValueError(
+                    f"{module}.{key}: an act-order (desc_act) checkpoint cannot be split across "
+                    "tensor-parallel ranks (each group's input channels are spread over all of "
+                    "them); run it with tensor_parallel_size 1"
+                )
 
     def finish(self, model: nn.Module) -> None:
         """Every 4-bit projection filled, no format tensor left over."""
