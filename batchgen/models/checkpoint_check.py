@@ -17,6 +17,7 @@ import os
 from batchgen.models.config import ModelConfig, read_json_object
 from batchgen.models.errors import ModelLoadError
 from batchgen.models.int4.checkpoint import Int4Checkpoint, read_int4_checkpoint
+from batchgen.models.int4.tp_slices import check_split
 from batchgen.models.moe_config import expert_tensor_shapes
 from batchgen.models.safetensors_header import TensorInfo, read_header
 from batchgen.models.weight_files import find_weight_files
@@ -88,10 +89,11 @@ def checkpoint_headers(path: str, allow_pickle: bool = False) -> dict[str, Tenso
 
 
 def check_checkpoint(
-    path: str, config: ModelConfig, allow_pickle: bool = False
+    path: str, config: ModelConfig, allow_pickle: bool = False, tensor_parallel_size: int = 1
 ) -> Int4Checkpoint | None:
     """Raise ModelLoadError unless the weights in `path` are exactly what `config` describes:
-    every tensor present once, with the expected shape and a float dtype, and no other.
+    every tensor present once, with the expected shape and a float dtype, and no other; a 4-bit
+    checkpoint must also split over tensor_parallel_size ranks (int4/tp_slices.check_split).
 
     Returns:
         The checkpoint's 4-bit modules and scheme when config.json has a (supported)
@@ -157,6 +159,8 @@ def check_checkpoint(
             f"describe (a {config.architecture} of {config.num_hidden_layers} layer(s)): "
             f"{_names(unused)}"
         )
+    if quant is not None:
+        check_split(quant, config, tensor_parallel_size)
     return quant
 
 

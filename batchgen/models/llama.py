@@ -275,30 +275,10 @@ class LlamaForCausalLM(nn.Module):
             return [p.num_heads * p.head_dim, kv, kv]
         return [p.intermediate_size, p.intermediate_size]
 
-    # Hugging Face module -> the rows of its weight (dim 0) or columns (dim 1) a rank holds.
-    _COLUMN_PARALLEL = {
-        "q_proj": Partition.q_rows,
-        "k_proj": Partition.kv_rows,
-        "v_proj": Partition.kv_rows,
-        "gate_proj": Partition.intermediate_rows,
-        "up_proj": Partition.intermediate_rows,
-        "embed_tokens": Partition.vocab_rows,
-        "lm_head": Partition.vocab_rows,
-    }
-    _ROW_PARALLEL = {"o_proj": Partition.q_rows, "down_proj": Partition.intermediate_rows}
-
     def tp_slice(self, hf_name: str) -> tuple[int, RowBlock] | None:
         """The part of checkpoint tensor `hf_name` this rank loads: (dim, block), or None for
         the whole tensor (without tensor parallel; norms; o / down biases)."""
-        parts = hf_name.split(".")
-        if self.tp is None or len(parts) < 2:
-            return None
-        module, kind = parts[-2:]
-        if module in self._COLUMN_PARALLEL:
-            return 0, self._COLUMN_PARALLEL[module](self.part)
-        if module in self._ROW_PARALLEL and kind == "weight":
-            return 1, self._ROW_PARALLEL[module](self.part)
-        return None
+        return None if self.tp is None else weight_block(self.part, hf_name)
 
     @property
     def norms_folded(self) -> bool:
@@ -398,3 +378,32 @@ class LlamaForCausalLM(nn.Module):
         if self.tp is None:
             return logits
         return self.tp.gather_columns(logits)
+
+
+# Hugging Face module -> the rows of its weight (dim 0) or columns (dim 1) a rank holds.
+_COLUMN_PARALLEL = {
+    "q_proj": Partition.q_rows,
+    "k_proj": Partition.kv_rows,
+    "v_proj": Partition.kv_rows,
+    "gate_proj": Partition.intermediate_rows,
+    "up_proj": Partition.intermediate_rows,
+    "embed_tokens": Partition.vocab_rows,
+    "lm_head": Partition.vocab_rows,
+}
+_ROW_PARALLEL = {"o_proj": Partition.q_rows, "down_proj": Partition.intermediate_rows}
+
+
+def weight_block(part: Partition, hf_name: str) -> tuple[int, RowBlock] | None:
+    """The (dim, block) of checkpoint tensor `hf_name` rank `part` holds: rows (dim 0) of the
+    column-parallel projections' weights and biases, the embedding and the LM head; columns
+    (dim 1) of the row-parallel o / down weights; None for the whole tensor (norms; o / down
+    biases)."""
+    parts = hf_name.split(".")
+    if len(parts) < 2:
+        return None
+    module, kind = parts[-2:]
+    if module in _COLUMN_PARALLEL:
+        return 0, _COLUMN_PARALLEL[module](part)
+    if module in _ROW_PARALLEL and kind == "weight":
+        return 1, _ROW_PARALLEL[module](part)
+    return None

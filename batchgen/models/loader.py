@@ -65,7 +65,7 @@ def load_model(
     """
     config = ModelConfig.from_dir(path)
     # The weights' headers against the config before the model it describes is allocated.
-    int4 = check_checkpoint(path, config, allow_pickle)
+    int4 = check_checkpoint(path, config, allow_pickle, tp.size if tp is not None else 1)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, config, device)
     files = find_weight_files(path, allow_pickle)

@@ -78,13 +78,13 @@ def model_limits(job: JobSpec) -> ModelLimits:
     from batchgen.models.errors import ModelLoadError
     from batchgen.models.weight_files import has_weight_files
 
+    engine = job.model.engine_config()
     try:
         mc = ModelConfig.from_dir(job.model.path)
-        if has_weight_files(job.model.path):
-            check_checkpoint(job.model.path, mc, job.model.engine_config().allow_pickle)
+        if has_weight_files(job.model.path):  # (a 4-bit one must split over the ranks too)
+            check_checkpoint(job.model.path, mc, engine.allow_pickle, engine.tensor_parallel_size)
     except ModelLoadError as e:
         raise JobError(f"model.path: {e}") from None
-    engine = job.model.engine_config()
     try:  # a tensor_parallel_size this model or machine cannot take, before anything loads
         check_tensor_parallel(engine, mc)
     except ConfigError as e:

@@ -14,6 +14,7 @@ from batchgen.models.int4.scheme import (
     is_int4_config,
     parse,
 )
+from batchgen.models.safetensors_header import TensorInfo
 
 _INT = ("I32",)
 _FLOAT = ("F16", "BF16", "F32")
@@ -22,12 +23,12 @@ _FLOAT = ("F16", "BF16", "F32")
 @dataclass
 class Int4Checkpoint:
     """scheme; modules: HF module name -> (out, in) of its 16-bit weight; tensors: the
-    format's tensor names the headers hold (checked), with their shapes."""
+    format's tensors the headers hold (checked): name -> its file, dtype and shape."""
 
     scheme: Int4Scheme
     source: str
     modules: dict[str, tuple[int, int]] = field(default_factory=dict)
-    tensors: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
 
 
 def refuse_unless_int4(qc, source: str) -> None:
@@ -75,7 +76,7 @@ def read_int4_checkpoint(
             )
         out.modules[module] = shape
         names = _check_module(scheme, module, shape, headers)
-        out.tensors.update({name: headers[name].shape for name in names})
+        out.tensors.update({name: headers[name] for name in names})
     return out
 
 

@@ -102,7 +102,8 @@ class Int4LoadPlan:
         if dim == 1:
             self.k_blocks[module] = block
         n = self.ckpt.modules[module][0]
-        unpacked = self.ckpt.tensors.get(hf_name, (0,))[0] == n  # a zero point [N, G]
+        info = self.ckpt.tensors.get(hf_name)
+        unpacked = info is not None and info.shape[0] == n  # a zero point stored [N, G]
         try:
             return format_slice(
                 self.ckpt.scheme.method, suffix, dim, block, self.ckpt.scheme.group_size, unpacked
