@@ -175,6 +175,22 @@ def bench(**kw) -> None:
     group = kw["int4_group_size"]
     if group != -1 and (group <= 0 or group % 32):
         raise click.BadParameter("-1 or a positive multiple of 32", param_hint="--int4-group-size")
+    if kw["quantization"] and kw["int4_act_order"] and kw["tensor_parallel_size"] > 1:
+        raise click.BadParameter(
+            "act order cannot be split across tensor-parallel ranks (a checkpoint's is refused "
+            "too); run it with --tensor-parallel-size 1",
+            param_hint="--int4-act-order",
+        )
+    if kw["quantization"] and kw["model_path"] is None:
+        from batchgen.bench.random_model import preset_config
+        from batchgen.models.config import ModelConfig
+
+        preset = kw["preset"]
+        if ModelConfig.from_dict(preset_config(preset), source=preset).moe is not None:
+            raise click.BadParameter(
+                f"{preset} is a mixture-of-experts model: 4-bit experts are not supported",
+                param_hint="--quantization",
+            )
     for name in ("repeat", "peer_repeat", "num_prompts", "max_output_tokens"):
         if kw[name] is not None and kw[name] < 1:
             raise click.BadParameter(f"--{name.replace('_', '-')} must be >= 1")

@@ -136,3 +136,9 @@ def test_gptq_refused_with_a_checkpoint_or_the_peer(tmp_path):
     assert result.exit_code != 0 and "without --quantization" in result.output
     result = CliRunner().invoke(bench, [*SMOKE, "--int4-group-size", "48"])
     assert result.exit_code != 0 and "multiple of 32" in result.output
+    result = CliRunner().invoke(bench, [*SMOKE, "--quantization", "gptq", "--int4-act-order",
+                                        "--tensor-parallel-size", "2"])  # fmt: skip
+    assert result.exit_code == 2 and "act order cannot be split" in result.output
+    moe = [a if a != "tiny" else "tiny-moe" for a in SMOKE]
+    result = CliRunner().invoke(bench, [*moe, "--quantization", "gptq"])
+    assert result.exit_code == 2 and "tiny-moe is a mixture-of-experts model" in result.output
