@@ -7,6 +7,7 @@ import os
 from batchgen.cpu_threads import quiet_openmp_waits
 from batchgen.outputs import CompletionOutput, RequestOutput, ScoreOutput
 from batchgen.sampling_params import SamplingParams
+from batchgen.structured_outputs import StructuredOutputsParams
 
 # Before torch can be imported through batchgen (LLM, the CLI; none of the imports above loads
 # it): OpenMP reads its wait policy once, when torch loads it, and its default spin-waiting
@@ -22,7 +23,14 @@ if not os.path.isdir(os.path.join(os.path.dirname(__file__), "kernels")) and os.
 ):
     __path__.append(_root)  # noqa: F821 - the package's own __path__
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ScoreOutput"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "ScoreOutput",
+]
 __version__ = "0.1.0"
 
 

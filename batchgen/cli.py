@@ -311,12 +311,19 @@ def status(out_dir) -> None:
 )
 @click.option("--preset", default="tiny", show_default=True, help="Model size preset.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
+@click.option(
+    "--vocab-size",
+    type=click.IntRange(min=262),
+    default=None,
+    help="A byte-level BPE tokenizer of exactly this many tokens (e.g. 151936) instead of the "
+    "trained 512-token one.",
+)
 @click.argument("out_dir", type=click.Path(file_okay=False))
-def make_model(arch, preset, seed, out_dir) -> None:
+def make_model(arch, preset, seed, vocab_size, out_dir) -> None:
     """Write a small random-weight HF model (config, tokenizer, safetensors) to OUT_DIR."""
     from batchgen.models.make_model import make_model as build
 
-    build(out_dir, arch, preset, seed)
+    build(out_dir, arch, preset, seed, vocab_size=vocab_size)
     click.echo(f"wrote {arch}/{preset} model to {out_dir}")
 
 

@@ -68,6 +68,8 @@ class EngineConfig:
             affinity mask, at most SLURM_CPUS_PER_TASK and the cgroup CPU quota), or
             OMP_NUM_THREADS when that is set (batchgen/cpu_threads.py).
         seed: seeds weight-free randomness (the draw of seeds for requests without one).
+        structured_output_threads: threads that fill structured output's token masks each
+            step (None: llguidance's default, 80% of the CPUs up to 32).
         tensor_parallel_size: split the model over this many GPUs (CPU processes on CPU): each
             rank holds its share of the attention heads, MLP columns and vocabulary, loaded
             slice by slice from the checkpoint, and the engine's process drives the others
@@ -100,6 +102,7 @@ class EngineConfig:
     allow_pickle: bool = False
     cpu_threads: int | None = None
     seed: int = 0
+    structured_output_threads: int | None = None
     tensor_parallel_size: int = 1
     disable_custom_all_reduce: bool = False
 
@@ -128,6 +131,10 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1")
+        if self.structured_output_threads is not None and self.structured_output_threads < 1:
+            raise ConfigError(
+                f"structured_output_threads={self.structured_output_threads}: must be >= 1"
+            )
         if self.admission_interval < 1:
             raise ConfigError(f"admission_interval={self.admission_interval}: must be >= 1")
         chunk = self.mixed_chunk_tokens

@@ -15,6 +15,9 @@ class CompletionOutput:
     finish_reason: str  # "stop" | "length" | "error"
     # Per generated token: {token_id: logprob}, the sampled token always included.
     logprobs: list[dict[int, float]] | None = None
+    # Structured output only (else None): True when the text falls short of the constraint
+    # (cut by max_tokens, finish_reason "length", or by a stop string).
+    incomplete: bool | None = None
 
 
 @dataclass

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from batchgen.short_repr import short_repr
+from batchgen.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 
 # Most top log-probs a request may ask for per token (the engine also caps it at the vocab).
 MAX_LOGPROBS = 100
@@ -50,6 +51,10 @@ class SamplingParams:
         ignore_eos: keep generating past EOS (benchmarks).
         logprobs: if set, return the top-k log-probs of each generated token (0 <= k <=
             MAX_LOGPROBS; the sampled token's own log-prob is always included).
+        structured_outputs: constrain the output to a JSON schema, any JSON object, a regex, a
+            choice of strings or a grammar: a StructuredOutputsParams or a dict of its fields
+            ({"json": schema}). EOS (and stop ids) are allowed only where the constraint is
+            complete; an output cut by max_tokens ends with "length", incomplete.
     """
 
     max_tokens: int = 16
@@ -67,6 +72,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience, store tuples so the object stays hashable.
@@ -74,6 +80,15 @@ class SamplingParams:
         stop_token_ids = _as_tuple("stop_token_ids", self.stop_token_ids, "a list of token ids")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
+        if self.structured_outputs is not None:
+            try:
+                constraint = StructuredOutputsParams.from_value(self.structured_outputs)
+            except (StructuredOutputsError, TypeError) as e:
+                message = str(e).removeprefix("structured_outputs")
+                raise SamplingParamsError(
+                    f"SamplingParams.structured_outputs{message}", "structured_outputs"
+                ) from None
+            object.__setattr__(self, "structured_outputs", constraint)
         self._validate()
 
     def _validate(self) -> None:
@@ -122,6 +137,19 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "must be true or false")
+        if self.structured_outputs is not None:
+            if self.ignore_eos:
+                bad(
+                    "ignore_eos",
+                    "cannot be set with structured_outputs (the output ends where "
+                    "the constraint is complete)",
+                )
+            if self.min_tokens:
+                bad(
+                    "min_tokens",
+                    "cannot be set with structured_outputs (EOS held back past "
+                    "the end of the constraint would leave no token to draw)",
+                )
         if self.logprobs is not None and (
             not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):

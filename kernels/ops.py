@@ -19,11 +19,13 @@ from . import rms_norm as _rms_norm
 from . import rope_store as _rope_store
 from . import rotary as _rotary
 from . import sampling as _sampling
+from . import token_bitmask as _token_bitmask
 from . import top_k_top_p as _top_k_top_p
 from .launch import HAS_TRITON, KERNEL_DTYPES
 from .rotary import build_cos_sin_cache
 
 __all__ = [
+    "apply_token_bitmask",
     "build_cos_sin_cache",
     "fused_add_rms_norm",
     "fused_moe",
@@ -202,15 +204,17 @@ def sample_gumbel(
     seeds: torch.Tensor,
     steps: torch.Tensor,
     temperatures: torch.Tensor | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row of logits [B, V] by Gumbel-max with noise keyed on each request's
-    (seed, step) [B] int64, after dividing each row by temperatures [B] (float32) when given;
-    returns [B] int64, identical on CPU and GPU."""
+    (seed, step) [B] int64, after dividing each row by temperatures [B] (float32) when given,
+    over the tokens a packed bitmask [B, ceil(V / 32)] int32 allows (all when None); returns
+    [B] int64, identical on CPU and GPU."""
     if not (HAS_TRITON and logits.is_cuda):
-        return _sampling.gumbel_argmax_ref(logits, seeds, steps, temperatures)
+        return _sampling.gumbel_argmax_ref(logits, seeds, steps, temperatures, bitmask)
     if temperatures is None or logits.dtype not in (torch.bfloat16, torch.float16):
         logits = logits.float()
-    return _sampling.gumbel_argmax(logits.contiguous(), seeds, steps, temperatures)
+    return _sampling.gumbel_argmax(logits.contiguous(), seeds, steps, temperatures, bitmask)
 
 
 def sample_top_k_top_p(
@@ -221,20 +225,31 @@ def sample_top_k_top_p(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row of logits [B, V], divided by temperatures [B] float32, by Gumbel-max
     over the row's top-k [B] int32 / top-p [B] float32 / min-p [B] float32 set (None: that
-    filter off for every row), without sorting the vocabulary on GPU; [B] int64, the same
-    draw on CPU and GPU (up to float32 rounding of a nucleus boundary)."""
+    filter off for every row) of the tokens a packed bitmask [B, ceil(V / 32)] int32 allows
+    (all when None), without sorting the vocabulary on GPU; [B] int64, the same draw on CPU
+    and GPU (up to float32 rounding of a nucleus boundary)."""
     if not (HAS_TRITON and logits.is_cuda):
         return _top_k_top_p.top_k_top_p_sample_ref(
-            logits, seeds, steps, temperatures, top_k, top_p, min_p
+            logits, seeds, steps, temperatures, top_k, top_p, min_p, bitmask
         )
     if logits.dtype not in (torch.bfloat16, torch.float16):
         logits = logits.float()
     return _top_k_top_p.top_k_top_p_sample(
-        logits.contiguous(), seeds, steps, temperatures, top_k, top_p, min_p
+        logits.contiguous(), seeds, steps, temperatures, top_k, top_p, min_p, bitmask
     )
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of logits [B, V] with -inf where the packed bitmask [B, ceil(V / 32)]
+    int32 disallows a token: the float32 copy the sampler makes anyway, masked in the same
+    pass."""
+    if not (HAS_TRITON and logits.is_cuda):
+        return _token_bitmask.apply_token_bitmask_ref(logits, bitmask)
+    return _token_bitmask.apply_token_bitmask(logits.contiguous(), bitmask)
 
 
 def penalise_logits(

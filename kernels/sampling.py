@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .launch import check_launchable, num_sms, pow2, tl, triton
+from .token_bitmask import allowed_bits, check_bitmask, unpack_bitmask_ref
 
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x7FEB352D, 0x846CA68B
@@ -71,13 +72,17 @@ def gumbel_argmax_ref(
     seeds: torch.Tensor,
     steps: torch.Tensor,
     temperatures: torch.Tensor | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference of gumbel_argmax: argmax(logits / t - log(-log(u))), [B] int64, the
-    division in float32 (t = 1 when temperatures is None)."""
+    division in float32 (t = 1 when temperatures is None); tokens a packed bitmask [B, V / 32]
+    int32 disallows are -inf (token_bitmask.py)."""
     u = uniform_noise_ref(seeds, steps, logits.shape[1]).to(logits.device)
     x = logits.float()
     if temperatures is not None:
         x = x / temperatures.float()[:, None]
+    if bitmask is not None:
+        x = x.masked_fill(~unpack_bitmask_ref(bitmask, x.shape[1]), float("-inf"))
     return torch.argmax(x - torch.log(-torch.log(u)), dim=-1)
 
 
@@ -128,14 +133,16 @@ def _uniform_noise_kernel(seeds_ptr, steps_ptr, out_ptr, V, BLOCK: tl.constexpr)
 # NUM_CHUNKS follows the row count: unspecialized, or a batch whose count divides by 16 would
 # compile another variant mid-run.
 @triton.jit(do_not_specialize=["NUM_CHUNKS"])
-def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temps_ptr, part_score_ptr,
-                          part_idx_ptr, stride_row, V, CHUNK, NUM_CHUNKS,
-                          HAS_TEMPS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temps_ptr, mask_ptr, part_score_ptr,
+                          part_idx_ptr, stride_row, stride_mask, V, CHUNK, NUM_CHUNKS,
+                          HAS_TEMPS: tl.constexpr, HAS_MASK: tl.constexpr,
+                          BLOCK: tl.constexpr):  # fmt: skip
     # Grid (B, NUM_CHUNKS): program (row, c) scans logits[row, c * CHUNK : (c + 1) * CHUNK]
     # (CHUNK a multiple of BLOCK) keeping a running per-lane best (score, index), then writes
     # the chunk's maximum and the lowest index holding it to part_score / part_idx [B, C].
     # Chunks let a few rows still fill the GPU. Logits of any float dtype are widened to
-    # float32 and divided by the row's temperature here, sparing the sampler two passes.
+    # float32 and divided by the row's temperature here, sparing the sampler two passes; with
+    # HAS_MASK, ids the row's packed bitmask disallows score -inf (read beside the logits).
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     k1, k2 = _row_keys(seeds_ptr, steps_ptr, row)
@@ -152,6 +159,8 @@ def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temps_ptr, part_scor
         x = x.to(tl.float32)
         if HAS_TEMPS:
             x = x / temp
+        if HAS_MASK:
+            mask = mask & allowed_bits(mask_ptr + row * stride_mask, idx, mask)
         score = tl.where(mask, _gumbel_scores(x, idx, k1, k2), float("-inf"))
         take = score > best
         best = tl.where(take, score, best)
@@ -218,6 +227,7 @@ def gumbel_argmax(
     seeds: torch.Tensor,
     steps: torch.Tensor,
     temperatures: torch.Tensor | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sample one token per row by Gumbel-max with counter-based noise, Triton kernel.
 
@@ -228,6 +238,8 @@ def gumbel_argmax(
         steps: [B] int64 per-request step counters (the noise of step s is independent of s+1).
         temperatures: optional [B] float32 (> 0); each row's logits are divided by its own, in
             float32, inside the kernel. Without it the logits must already be tempered float32.
+        bitmask: optional [B, ceil(V / 32)] int32 packed mask (token_bitmask.py): a token
+            whose bit is 0 is never drawn (a row with none allowed returns token 0).
 
     Returns:
         [B] int64 token ids, the same as gumbel_argmax_ref picks.
@@ -242,7 +254,8 @@ def gumbel_argmax(
         raise ValueError(f"{op}: logits rows must be contiguous, got strides {logits.stride()}")
     _check_rows(op, seeds, steps, logits.shape[0])
     check_row_tensor(op, "temperatures", temperatures, logits.shape[0], torch.float32)
-    extra = () if temperatures is None else (temperatures,)
+    check_bitmask(op, bitmask, *logits.shape)
+    extra = tuple(t for t in (temperatures, bitmask) if t is not None)
     check_launchable(op, logits, seeds, steps, *extra)
     rows, vocab = logits.shape
     out = torch.empty((rows,), dtype=torch.int64, device=logits.device)
@@ -255,8 +268,10 @@ def gumbel_argmax(
     part_idx = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
     _gumbel_argmax_kernel[(rows, chunks)](
         logits, seeds, steps, temperatures if temperatures is not None else seeds,
-        part_score, part_idx, logits.stride(0), vocab, chunk_len, chunks,
-        HAS_TEMPS=temperatures is not None, BLOCK=_BLOCK_V, num_warps=8,
+        bitmask if bitmask is not None else seeds, part_score, part_idx, logits.stride(0),
+        bitmask.stride(0) if bitmask is not None else 0, vocab, chunk_len, chunks,
+        HAS_TEMPS=temperatures is not None, HAS_MASK=bitmask is not None, BLOCK=_BLOCK_V,
+        num_warps=8,
     )  # fmt: skip
     # BLOCK_C from the most chunks this vocabulary can have: one variant per model.
     block_c = max(16, pow2(_max_chunks(vocab)))

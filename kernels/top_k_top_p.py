@@ -33,6 +33,7 @@ import torch
 
 from .launch import check_launchable, interpreting, tl, triton
 from .sampling import _check_rows, _gumbel_scores, _row_keys, check_row_tensor, gumbel_argmax_ref
+from .token_bitmask import allowed_bits, check_bitmask, unpack_bitmask_ref
 
 # Elements a program reads per loop step, and its warps. One program per row: with few rows a
 # row's latency is the step's, so the program should keep many loads in flight (8192 x 16 warps
@@ -105,19 +106,27 @@ def top_k_top_p_sample_ref(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference of top_k_top_p_sample (same arguments): the Gumbel-max draw over
-    top_k_top_p_mask_ref's set. [B] int64."""
+    top_k_top_p_mask_ref's set of the tempered logits, disallowed tokens of the packed bitmask
+    set to -inf first (so the filters rank and weigh only allowed tokens). [B] int64."""
     z = logits.float() / temperatures.float()[:, None]  # [B, V]
+    if bitmask is not None:
+        z = z.masked_fill(~unpack_bitmask_ref(bitmask, z.shape[1]), float("-inf"))
     keep = top_k_top_p_mask_ref(z, top_k, top_p, min_p)
     return gumbel_argmax_ref(z.masked_fill(~keep, float("-inf")), seeds, steps)
 
 
 @triton.jit
-def _tempered(base, idx, mask, temp):
-    # z = logits / temperature in float32, -inf past the row.
+def _tempered(base, idx, mask, temp, mbase, HAS_MASK: tl.constexpr):
+    # z = logits / temperature in float32, -inf past the row and, with HAS_MASK, where the
+    # row's packed bitmask (at mbase) disallows the token: every pass sees the masked row.
     x = tl.load(base + idx, mask=mask, other=float("-inf"))
-    return x.to(tl.float32) / temp
+    z = x.to(tl.float32) / temp
+    if HAS_MASK:
+        z = tl.where(allowed_bits(mbase, idx, mask), z, float("-inf"))
+    return z
 
 
 @triton.jit
@@ -163,7 +172,8 @@ def _signed(u):
 
 
 @triton.jit
-def _kth_largest_key(base, V, temp, k, BLOCK: tl.constexpr, BITS: tl.constexpr):
+def _kth_largest_key(base, V, temp, mbase, k, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
+                     BITS: tl.constexpr):  # fmt: skip
     # The k-th largest key of the row's z (1 <= k < V) by radix select over the row in memory:
     # BITS bits a pass from the top, a histogram of the next digit over the keys that match the
     # digits found so far. 32 / BITS passes.
@@ -176,7 +186,7 @@ def _kth_largest_key(base, V, temp, k, BLOCK: tl.constexpr, BITS: tl.constexpr):
         for start in range(0, V, BLOCK):
             idx = start + lanes
             mask = idx < V
-            u = _unsigned(_keys(_tempered(base, idx, mask, temp)))
+            u = _unsigned(_keys(_tempered(base, idx, mask, temp, mbase, HAS_MASK)))
             hist += _digit_hist(u, mask & ((u & upper) == prefix), level, BITS)
         need, prefix = _radix_level(hist, need, prefix, level, BITS)
     return _signed(prefix)
@@ -196,8 +206,8 @@ def _kth_largest_lane_key(lane_keys, k, BITS: tl.constexpr):
 
 
 @triton.jit
-def _top_k_threshold(base, V, temp, k, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                     WALK: tl.constexpr):  # fmt: skip
+def _top_k_threshold(base, V, temp, mbase, k, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
+                     BITS: tl.constexpr, WALK: tl.constexpr):  # fmt: skip
     # The k-th largest key of the row (1 <= k < V). With k <= BLOCK, first a lower bound: the
     # k-th largest of the lanes' maxima (k lanes hold a key at least that large, so at least k
     # keys are), found in registers after one pass. Then walk up from it, a pass a step: count
@@ -213,7 +223,8 @@ def _top_k_threshold(base, V, temp, k, BLOCK: tl.constexpr, BITS: tl.constexpr,
         for start in range(0, V, BLOCK):
             idx = start + lanes
             mask = idx < V
-            key = tl.where(mask, _keys(_tempered(base, idx, mask, temp)), -2147483647 - 1)
+            z = _tempered(base, idx, mask, temp, mbase, HAS_MASK)
+            key = tl.where(mask, _keys(z), -2147483647 - 1)
             lane_max = tl.maximum(lane_max, key)
         bound = _kth_largest_lane_key(lane_max, k, BITS)
         steps = 0
@@ -224,7 +235,7 @@ def _top_k_threshold(base, V, temp, k, BLOCK: tl.constexpr, BITS: tl.constexpr,
             for start in range(0, V, BLOCK):
                 idx = start + lanes
                 mask = idx < V
-                key = _keys(_tempered(base, idx, mask, temp))
+                key = _keys(_tempered(base, idx, mask, temp, mbase, HAS_MASK))
                 above = mask & (key > bound)
                 count += above.to(tl.int32)
                 least = tl.minimum(least, tl.where(above, key, 2147483647))
@@ -234,7 +245,7 @@ def _top_k_threshold(base, V, temp, k, BLOCK: tl.constexpr, BITS: tl.constexpr,
             steps += 1
             walking = advance & (steps < WALK)
     if ~settled:
-        bound = _kth_largest_key(base, V, temp, k, BLOCK, BITS)
+        bound = _kth_largest_key(base, V, temp, mbase, k, HAS_MASK, BLOCK, BITS)
     return bound
 
 
@@ -250,8 +261,9 @@ def _allowed(z, mask, kth, m, lmp, TOP_K: tl.constexpr, MIN_P: tl.constexpr):
 
 
 @triton.jit
-def _draw_above(base, V, temp, k1, k2, kth, m, lmp, floor, TOP_K: tl.constexpr,
-                MIN_P: tl.constexpr, MASS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _draw_above(base, V, temp, mbase, k1, k2, kth, m, lmp, floor, TOP_K: tl.constexpr,
+                MIN_P: tl.constexpr, MASS: tl.constexpr, HAS_MASK: tl.constexpr,
+                BLOCK: tl.constexpr):  # fmt: skip
     # Gumbel-max over the allowed tokens with z > floor: (index, its z, score), and with MASS
     # the top-k set's max z (the row max) and sum of exp(z - that max), kept online per lane
     # (so no pass is spent on the max first). Lane-wise running best, then the lowest index
@@ -265,7 +277,7 @@ def _draw_above(base, V, temp, k1, k2, kth, m, lmp, floor, TOP_K: tl.constexpr,
     for start in range(0, V, BLOCK):
         idx = start + lanes
         mask = idx < V
-        z = _tempered(base, idx, mask, temp)
+        z = _tempered(base, idx, mask, temp, mbase, HAS_MASK)
         if MASS:
             zk = tl.where(_allowed(z, mask, kth, m, lmp, TOP_K, False), z, float("-inf"))
             new_hi = tl.maximum(hi, zk)
@@ -288,13 +300,15 @@ def _draw_above(base, V, temp, k1, k2, kth, m, lmp, floor, TOP_K: tl.constexpr,
 
 @triton.jit
 def _top_k_top_p_kernel(logits_ptr, seeds_ptr, steps_ptr, temps_ptr, top_k_ptr, top_p_ptr,
-                        log_min_p_ptr, out_ptr, stride_row, V,
+                        log_min_p_ptr, mask_ptr, out_ptr, stride_row, stride_mask, V,
                         TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
-                        BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr,
+                        HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr,
                         TOP_K_WALK: tl.constexpr):  # fmt: skip
     # Grid (B,): one program per row of logits [B, V]; writes the drawn token to out [B].
+    # With HAS_MASK every read of the row applies its packed bitmask row (at mbase).
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
+    mbase = mask_ptr + row * stride_mask
     k1, k2 = _row_keys(seeds_ptr, steps_ptr, row)
     temp = tl.load(temps_ptr + row)
     lanes = tl.arange(0, BLOCK)
@@ -305,17 +319,19 @@ def _top_k_top_p_kernel(logits_ptr, seeds_ptr, steps_ptr, temps_ptr, top_k_ptr, 
         hi = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
         for start in range(0, V, BLOCK):
             idx = start + lanes
-            hi = tl.maximum(hi, _tempered(base, idx, idx < V, temp))
+            hi = tl.maximum(hi, _tempered(base, idx, idx < V, temp, mbase, HAS_MASK))
         m = tl.max(hi, 0)
         lmp = tl.load(log_min_p_ptr + row)
     kth = tl.full([], -2147483647 - 1, tl.int32)  # every key: top-k off
     if TOP_K:
         k = tl.load(top_k_ptr + row)
         if (k > 0) & (k < V):
-            kth = _top_k_threshold(base, V, temp, k, BLOCK, RADIX_BITS, TOP_K_WALK)
+            kth = _top_k_threshold(base, V, temp, mbase, k, HAS_MASK, BLOCK, RADIX_BITS,
+                                   TOP_K_WALK)  # fmt: skip
     # The draw over the top-k and min-p set (and, for top-p, the top-k set's mass).
-    pick, v, top, row_max, total = _draw_above(base, V, temp, k1, k2, kth, m, lmp, float("-inf"),
-                                               TOP_K, MIN_P, TOP_P, BLOCK)  # fmt: skip
+    pick, v, top, row_max, total = _draw_above(base, V, temp, mbase, k1, k2, kth, m, lmp,
+                                               float("-inf"), TOP_K, MIN_P, TOP_P, HAS_MASK,
+                                               BLOCK)  # fmt: skip
     if TOP_P:
         p = tl.load(top_p_ptr + row)
         limit = p * total
@@ -326,12 +342,13 @@ def _top_k_top_p_kernel(logits_ptr, seeds_ptr, steps_ptr, temps_ptr, top_k_ptr, 
             above = tl.zeros([BLOCK], dtype=tl.float32)
             for start in range(0, V, BLOCK):
                 idx = start + lanes
-                z = _tempered(base, idx, idx < V, temp)
+                z = _tempered(base, idx, idx < V, temp, mbase, HAS_MASK)
                 above += tl.where(z > v, tl.exp(z - ref), 0.0)
             searching = tl.sum(above, 0) >= limit
             if searching:
-                nxt, nxt_z, nxt_top, _, _ = _draw_above(base, V, temp, k1, k2, kth, m, lmp, v,
-                                                        TOP_K, MIN_P, False, BLOCK)  # fmt: skip
+                nxt, nxt_z, nxt_top, _, _ = _draw_above(base, V, temp, mbase, k1, k2, kth, m, lmp,
+                                                        v, TOP_K, MIN_P, False, HAS_MASK,
+                                                        BLOCK)  # fmt: skip
                 # Nothing above the floor happens only with NaN logits: keep the last draw.
                 searching = nxt_top > float("-inf")
                 pick = tl.where(searching, nxt, pick)
@@ -347,6 +364,7 @@ def top_k_top_p_sample(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Draw one token per row from the top-k / top-p / min-p filtered distribution, Triton kernel.
 
@@ -357,6 +375,8 @@ def top_k_top_p_sample(
         top_k: [B] int32, 0 or less (or V and more) off; None: off for every row.
         top_p: [B] float32 in (0, 1], 1 off; None: off for every row.
         min_p: [B] float32 in [0, 1], 0 off; None: off for every row.
+        bitmask: optional [B, ceil(V / 32)] int32 packed mask (token_bitmask.py): disallowed
+            tokens are -inf before the filters, which then rank and weigh allowed tokens only.
 
     Returns:
         [B] int64 token ids, what top_k_top_p_sample_ref draws (the two may differ only where a
@@ -376,12 +396,13 @@ def top_k_top_p_sample(
     check_row_tensor(op, "top_k", top_k, rows, torch.int32)
     check_row_tensor(op, "top_p", top_p, rows, torch.float32)
     check_row_tensor(op, "min_p", min_p, rows, torch.float32)
-    given = [t for t in (top_k, top_p, min_p) if t is not None]
+    check_bitmask(op, bitmask, rows, vocab)
+    given = [t for t in (top_k, top_p, min_p, bitmask) if t is not None]
     check_launchable(op, logits, seeds, steps, temperatures, *given)
     out = torch.empty((rows,), dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    launch_top_k_top_p(logits, seeds, steps, temperatures, top_k, top_p, min_p, out)
+    launch_top_k_top_p(logits, seeds, steps, temperatures, top_k, top_p, min_p, out, bitmask)
     return out
 
 
@@ -394,6 +415,7 @@ def launch_top_k_top_p(
     top_p,
     min_p,
     out,
+    bitmask=None,
     block=None,
     num_warps=None,
     radix_bits=None,
@@ -407,9 +429,11 @@ def launch_top_k_top_p(
     _top_k_top_p_kernel[(logits.shape[0],)](
         logits, seeds, steps, temperatures,
         top_k if top_k is not None else seeds, top_p if top_p is not None else temperatures,
-        log_min_p if log_min_p is not None else temperatures, out, logits.stride(0),
-        logits.shape[1], TOP_K=top_k is not None, TOP_P=top_p is not None,
-        MIN_P=min_p is not None, BLOCK=block or (512 if interpreting() else BLOCK_V),
+        log_min_p if log_min_p is not None else temperatures,
+        bitmask if bitmask is not None else seeds, out, logits.stride(0),
+        bitmask.stride(0) if bitmask is not None else 0, logits.shape[1],
+        TOP_K=top_k is not None, TOP_P=top_p is not None, MIN_P=min_p is not None,
+        HAS_MASK=bitmask is not None, BLOCK=block or (512 if interpreting() else BLOCK_V),
         RADIX_BITS=radix_bits or RADIX_BITS,
         TOP_K_WALK=TOP_K_WALK if top_k_walk is None else top_k_walk,
         num_warps=num_warps or NUM_WARPS,

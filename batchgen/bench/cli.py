@@ -118,6 +118,21 @@ from batchgen.models.presets import PRESET_NAMES
 @click.option("--max-model-len", type=int, default=None, help="Default: the workload's longest.")
 @click.option("--cpu-kv-cache-gb", type=float, default=None)
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
+@click.option(
+    "--structured-schema",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="A JSON schema file: run the workload with it on every request (structured output), "
+    "then the same requests unconstrained with each one's constrained output length "
+    "(ignore_eos), and print the ratio. Random presets get a BPE tokenizer of their "
+    "vocabulary size.",
+)
+@click.option(
+    "--structured-output-threads",
+    type=int,
+    default=None,
+    help="Threads filling the token masks (default: llguidance's, 80% of the CPUs).",
+)
 def bench(**kw) -> None:
     """Benchmark the engine on a standard workload (examples/benchmarks/README.md); one table last.
 
@@ -138,6 +153,7 @@ def bench(**kw) -> None:
         "block_size",
         "max_model_len",
         "cpu_kv_cache_gb",
+        "structured_output_threads",
     )
     options = {k: kw[k] for k in engine_keys if kw[k] is not None}
     if kw["model_path"] is not None:
@@ -208,6 +224,7 @@ def bench(**kw) -> None:
         quantization=kw["quantization"],
         int4_group_size=group,
         int4_act_order=kw["int4_act_order"],
+        structured_schema=kw["structured_schema"],
     )
     report = run_bench(opts, log=lambda m: click.echo(m, err=True))
     if kw["json_out"]:

@@ -18,6 +18,8 @@ from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.model_runner import ModelRunner, resolve_device
 from batchgen.models.config import ModelConfig
 from batchgen.models.loader import resolve_dtype
+from batchgen.models.tokenizer import Tokenizer
+from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
 
 PRESET_MODEL = "<random preset>"  # EngineConfig.model of a preset run (never read from disk)
@@ -36,9 +38,10 @@ class Bench:
     def device(self) -> torch.device:
         return self.runner.device
 
-    def engine(self, **overrides: Any) -> LLMEngine:
-        """A fresh engine (empty prefix cache, zeroed stats) over the shared runner and cache."""
-        return LLMEngine(replace(self.config, **overrides), runner=self.runner)
+    def engine(self, tokenizer: Tokenizer | None = None, **overrides: Any) -> LLMEngine:
+        """A fresh engine (empty prefix cache, zeroed stats) over the shared runner and cache;
+        `tokenizer` for work that needs one (structured output over a random preset)."""
+        return LLMEngine(replace(self.config, **overrides), runner=self.runner, tokenizer=tokenizer)
 
 
 def build_bench(
@@ -89,6 +92,9 @@ class RunResult:
     # The GPU during the timed run (gpu_power.summarize), {"error": why} where it could not be
     # sampled on CUDA, None off CUDA.
     gpu: dict[str, Any] | None = None
+    # Structured output's host work in the timed run (None when nothing was constrained):
+    # seconds filling token masks, steps that filled them, constrained rows filled.
+    masks: dict[str, Any] | None = None
     # Mixture-of-experts models: experts the steps' real tokens reached, summed over steps and
     # sparse layers (the MoE roofline's expert reads); None for dense models.
     experts_touched: int | None = None
@@ -97,9 +103,17 @@ class RunResult:
         return dataclasses.asdict(self)
 
 
-def submit(engine: LLMEngine, w: Workload, prefix: str, seed: int = 0, **sampling: Any) -> None:
+def submit(
+    engine: LLMEngine,
+    w: Workload,
+    prefix: str,
+    seed: int = 0,
+    ignore_eos: bool = True,
+    **sampling: Any,
+) -> None:
     """Queue every request of `w` (seeded per request so runs are reproducible); `sampling`:
-    more SamplingParams fields for the generation requests (e.g. a penalty)."""
+    more SamplingParams fields for the generation requests (e.g. a penalty). With ignore_eos
+    (the default) each request generates exactly its max_tokens."""
     for i, prompt in enumerate(w.prompts):
         rid = f"{prefix}{i}"
         if w.candidates is not None:
@@ -108,42 +122,62 @@ def submit(engine: LLMEngine, w: Workload, prefix: str, seed: int = 0, **samplin
             params = SamplingParams(
                 max_tokens=w.max_tokens[i],
                 temperature=w.temperature,
-                ignore_eos=True,
+                ignore_eos=ignore_eos,
                 seed=seed + i,
                 **sampling,
             )
             engine.add_request(rid, prompt, params)
 
 
-def drain(engine: LLMEngine) -> int:
-    """Step until every request finished; returns the number of error outputs."""
+def drain(engine: LLMEngine, outputs: dict[str, RequestOutput] | None = None) -> int:
+    """Step until every request finished; returns the number of error outputs. `outputs`, when
+    given, receives each finished request's output by id."""
     errors = 0
     while engine.has_unfinished_requests():
-        errors += sum(out.error is not None for out in engine.step())
+        for out in engine.step():
+            errors += out.error is not None
+            if outputs is not None:
+                outputs[out.request_id] = out
     return errors
 
 
-def warm_up(engine: LLMEngine, w: Workload, count: int = 16, fill_step: bool = True) -> None:
+def warm_up(
+    engine: LLMEngine, w: Workload, count: int = 16, fill_step: bool = True, **submit_kw: Any
+) -> None:
     """Run `count` look-alike requests of `w` to the end; fill_step: more, until their prompts
     hold one full step of the engine's max_num_batched_tokens (the timed run's first admission
-    then meets no activation size for the first time)."""
+    then meets no activation size for the first time). submit_kw: as the timed run's."""
     budget = engine.config.max_num_batched_tokens if fill_step else 0
-    submit(engine, warmup_workload(w, engine.model_config.vocab_size, count, budget), "warmup-")
+    look_alike = warmup_workload(w, engine.model_config.vocab_size, count, budget)
+    submit(engine, look_alike, "warmup-", **submit_kw)
     drain(engine)
 
 
-def run_engine(bench: Bench, w: Workload, warmup: int = 16, **overrides: Any) -> RunResult:
-    """Warm up with `warmup` look-alike requests, then time `w` on a fresh engine."""
-    engine = bench.engine(**overrides)
+def run_engine(
+    bench: Bench,
+    w: Workload,
+    warmup: int = 16,
+    tokenizer: Tokenizer | None = None,
+    submit_kw: dict[str, Any] | None = None,
+    outputs: dict[str, RequestOutput] | None = None,
+    **overrides: Any,
+) -> RunResult:
+    """Warm up with `warmup` look-alike requests, then time `w` on a fresh engine.
+
+    submit_kw: `submit`'s ignore_eos and SamplingParams fields, for warm-up and timed run;
+    outputs: receives the timed requests' outputs by id (request i is "i")."""
+    engine = bench.engine(tokenizer, **overrides)
+    submit_kw = submit_kw or {}
     if warmup:
-        warm_up(engine, w, warmup)
+        warm_up(engine, w, warmup, **submit_kw)
     before = dataclasses.replace(engine.stats)
+    masks_before = _mask_counters(engine)
     counter = getattr(bench.runner.model, "expert_counter", None)
     touched_before = counter.read() if counter is not None else 0
 
     def go() -> int:
-        submit(engine, w, "")
-        return drain(engine)
+        submit(engine, w, "", **submit_kw)
+        return drain(engine, outputs)
 
     with PowerSampler(device_uuid(bench.device)) as power:
         wall, errors = timed(go, bench.device)
@@ -162,5 +196,26 @@ def run_engine(bench: Bench, w: Workload, warmup: int = 16, **overrides: Any) ->
         steps=s.num_steps - before.num_steps,
         errors=errors,
         gpu=gpu,
+        masks=_mask_delta(masks_before, _mask_counters(engine)),
         experts_touched=counter.read() - touched_before if counter is not None else None,
     )
+
+
+def _mask_counters(engine: LLMEngine) -> tuple[float, int, int] | None:
+    s = engine.structured
+    return None if s is None else (s.fill_seconds, s.steps_filled, s.rows_filled)
+
+
+def _mask_delta(before, after) -> dict[str, Any] | None:
+    if after is None:
+        return None
+    seconds, steps, rows = (a - b for a, b in zip(after, before or (0.0, 0, 0)))
+    if not steps:
+        return None
+    return {
+        "seconds": seconds,
+        "steps": steps,
+        "rows": rows,
+        "ms_per_step": 1e3 * seconds / steps,
+        "us_per_row": 1e6 * seconds / max(rows, 1),
+    }

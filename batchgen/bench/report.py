@@ -205,6 +205,10 @@ def format_table(report: dict[str, Any]) -> str:
             cols.append((label, block["result"]))
             if block.get("ratio") is not None:
                 ratios.append((label, block["ratio"]))
+    structured = report.get("structured")
+    if structured:  # ours is the constrained run; the replay is the comparison
+        cols.append(("replay", structured["replay"]["result"]))
+        ratios.append(("replay", structured["ratio"]))
     rows = [
         ("output tok/s", "output_tok_s", "num"),
         ("total tok/s", "total_tok_s", "num"),
@@ -246,6 +250,8 @@ def format_table(report: dict[str, Any]) -> str:
     for key in ("peer", "pipeline"):
         if (report.get(key) or {}).get("error"):
             lines.append(f"{key} unavailable: {report[key]['error']}")
+    if structured:
+        lines += structured_lines(structured, r)
     c = report["ceilings"]
     lines.append(
         f"ceilings: matmul {c['matmul_shape']} {c['matmul_dtype']} {c['matmul_tflops']:.1f} "
@@ -255,6 +261,24 @@ def format_table(report: dict[str, Any]) -> str:
     if gpu_line:
         lines.append(gpu_line)
     return "\n".join(lines)
+
+
+def structured_lines(block: dict[str, Any], result: dict[str, Any]) -> list[str]:
+    """What a structured-output bench constrained, with what, and its host mask time."""
+    reasons = ", ".join(f"{n} {k}" for k, n in sorted(block["finish_reasons"].items()))
+    lines = [
+        f"structured: {block['schema']} on every request ({reasons}); replay: the same "
+        "output lengths unconstrained (ignore_eos)",
+        f"tokenizer: {block['tokenizer']}",
+    ]
+    masks = result.get("masks")
+    if masks:
+        lines.append(
+            f"token masks on the host: {masks['ms_per_step']:.2f} ms a step, "
+            f"{masks['us_per_row']:.1f} us a row ({masks['steps']:,} steps, "
+            f"{masks['seconds']:.2f} s in all)"
+        )
+    return lines
 
 
 def format_gpu(gpu: dict[str, Any] | None) -> str | None:

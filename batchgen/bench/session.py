@@ -44,6 +44,7 @@ class BenchOptions:
     quantization: str | None = None  # "gptq": the preset's projections random 4-bit GPTQ
     int4_group_size: int = 128
     int4_act_order: bool = False
+    structured_schema: str | None = None  # a JSON schema file: constrained run + replay
 
 
 def _model_config(opts: BenchOptions) -> ModelConfig:
@@ -64,12 +65,12 @@ def _result(
     cost: roofline.WorkloadCost,
     ceilings: dict[str, Any],
     peak: int | None,
-    steps: StepRoofline | None = None,
+    ideal: StepRoofline | None = None,
     kv_tokens: int | None = None,
 ) -> dict[str, Any]:
     out = {**run, **hit_rates(run, w), "peak_gpu_memory_bytes": peak}
-    if steps is not None:
-        out.update(steps.metrics(run["wall_s"], run.get("output_tokens", 0), kv_tokens))
+    if ideal is not None:  # the per-step roofline at the run's KV capacity
+        out.update(ideal.metrics(run["wall_s"], run.get("output_tokens", 0), kv_tokens))
     out.update(
         roofline.roofline_metrics(
             cost,
@@ -123,22 +124,47 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         model.part.num_heads,
         model.part.num_kv_heads,
     )
-    cost = roofline.workload_cost(shape, w)
     experts = moe_roofline.expert_shape(
         mc, bench.runner.dtype.itemsize, model.part.expert_intermediate_size
     )
-    if experts is not None:  # a step reads the experts its tokens reach, FLOPs the active ones
-        cost = moe_roofline.resident_cost(shape, experts, w)
+
+    def workload_cost(wl: Workload) -> roofline.WorkloadCost:
+        if experts is not None:  # a step reads the experts its tokens reach, FLOPs the active
+            return moe_roofline.resident_cost(shape, experts, wl)
+        return roofline.workload_cost(shape, wl)
+
+    cost = workload_cost(w)
     kv_tokens = bench.runner.num_kv_blocks * bench.runner.block_size
-    steps = None
-    if experts is None:  # MoE steps read only the experts their tokens reach: not this model
-        steps = step_roofline(
-            shape, w, decode_weight_bytes(model), kv_tokens, bench.runner.block_size,
+    decode_bytes = decode_weight_bytes(model)
+
+    def step_cost(wl: Workload) -> StepRoofline | None:
+        if experts is not None:  # MoE steps read only the experts their tokens reach
+            return None
+        return step_roofline(
+            shape, wl, decode_bytes, kv_tokens, bench.runner.block_size,
             ceilings["matmul_tflops"] * 1e12, ceilings["copy_tb_s"] * 1e12,
         )  # fmt: skip
+
     del model  # the peer frees our model; keep no reference here
-    log(f"{w.name}: {w.num_requests} requests, {opts.repeat} timed run(s) ...")
-    runs = _repeat_engine(bench, w, opts.repeat, opts.warmup)
+    structured = None
+    if opts.structured_schema is not None:
+        from batchgen.bench.structured_bench import run_structured
+
+        log(f"{w.name} with {opts.structured_schema} on every request: {w.num_requests} requests")
+
+        def result(run: dict[str, Any], wl: Workload) -> dict[str, Any]:
+            return _result(run, wl, workload_cost(wl), ceilings, peak_memory_bytes(device),
+                           step_cost(wl), kv_tokens)  # fmt: skip
+
+        structured = run_structured(
+            bench, w, opts.structured_schema, opts.repeat, opts.warmup, result, log
+        )
+        runs = structured.pop("runs")
+        w = dataclasses.replace(w, max_tokens=structured["replay"]["max_tokens"])
+        cost = workload_cost(w)
+    else:
+        log(f"{w.name}: {w.num_requests} requests, {opts.repeat} timed run(s) ...")
+        runs = _repeat_engine(bench, w, opts.repeat, opts.warmup)
     peak = peak_memory_bytes(device)
     report: dict[str, Any] = {
         **env,
@@ -180,11 +206,14 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         "gemm_tuning": dataclasses.asdict(tuning) if tuning is not None else None,
         "repeat": opts.repeat,
         "runs": runs,
-        "result": _result(median_run(runs), w, cost, ceilings, peak, steps, kv_tokens),
+        "result": _result(median_run(runs), w, cost, ceilings, peak, step_cost(w), kv_tokens),
         "prefix_caching_off": None,
         "pipeline": None,
         "peer": None,
+        "structured": structured,
     }
+    if structured is not None:
+        report["workload"]["structured_schema"] = opts.structured_schema
     if experts is not None:
         report["result"].update(_steps_taken(shape, experts, w, report["result"], ceilings))
     if w.name == "shared-prefix":

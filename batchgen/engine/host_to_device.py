@@ -55,6 +55,11 @@ class PinnedStager:
         self._turn = 0
         self._next = 0
 
+    @property
+    def turn(self) -> int:
+        """The buffer set of the step in progress (0 or 1; alternates with each step)."""
+        return self._turn
+
     def begin_step(self) -> None:
         """Switch to the other buffer set; call once at the start of each launched step."""
         self._turn ^= 1
@@ -79,6 +84,16 @@ class PinnedStager:
         staged = self._buffer(t.numel() * t.element_size()).view(dtype).view(t.shape)
         staged.copy_(t)
         return staged.to(self.device, non_blocking=True)
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor for this step to fill and copy to the device (pinned on CUDA, from the
+        step's buffer set; a plain CPU tensor on the CPU). Contents are stale: overwrite it."""
+        nbytes = dtype.itemsize
+        for n in shape:
+            nbytes *= n
+        if self.device.type != "cuda":
+            return torch.empty(shape, dtype=dtype)
+        return self._buffer(nbytes).view(dtype).view(shape)
 
     def to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """Start copying a device tensor into a pinned buffer; read it after the step's event."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from batchgen.config import EngineConfig
@@ -21,10 +22,13 @@ from batchgen.engine.scheduler_output import SchedulerOutput
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.stats import EngineStats
 from batchgen.engine.step_handle import StepHandle
+from batchgen.engine.structured.grammar import GrammarCompiler, GrammarError
+from batchgen.engine.structured.manager import StructuredOutputs
 from batchgen.models.config import ModelConfig
 from batchgen.models.tokenizer import Tokenizer
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams, SamplingParamsError
+from batchgen.structured_outputs import StructuredOutputsParams
 
 _SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -34,7 +38,7 @@ class _Launched:
     """A step on the device: its handle, its schedule, and the placeholders advance() left
     ((sample row, sequence, index in token_ids) per sampling sequence)."""
 
-    handle: StepHandle
+    handle: StepHandle | None  # None until the draw is enqueued (structured output)
     output: SchedulerOutput
     placeholders: list[tuple[int, Sequence, int]]
     advanced: list[Sequence] = field(default_factory=list)  # num_inflight raised for these
@@ -91,6 +95,9 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._ready: list[RequestOutput] = []  # rejected at add time, returned by the next step
         self._inflight: _Launched | None = None  # launched, not yet resolved (async scheduling)
+        # Structured output: built with the first constrained request (its tokenizer index
+        # takes about a second at a 150k vocabulary); requests whose grammar compiles.
+        self.structured: StructuredOutputs | None = None
         # The pre-run heap is frozen while requests are unfinished (gc_pause.py); an engine
         # dropped mid-run gives its hold back when it is collected.
         self._heap = HeapFreeze()
@@ -135,6 +142,14 @@ class LLMEngine:
         if error is not None:
             self._reject(request_id, ids, error.code, error.message)
             return
+        prepared = None
+        if params.structured_outputs is not None:
+            try:
+                prepared = self._structured().prepare(params.structured_outputs)
+            except (GrammarError, ValueError) as e:
+                code = e.code if isinstance(e, GrammarError) else "bad_params"
+                self._reject(request_id, ids, code, str(e))
+                return
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seqs: list[Sequence] = []
         for i in range(params.n):
@@ -149,11 +164,6 @@ class LLMEngine:
                     parent=seqs[0] if i else None,
                 )
             )
-        for seq in seqs:
-            error = self.scheduler.add(seq)
-            if error is not None:  # every sample has the same lengths: all fail alike
-                self._reject(request_id, ids, error.code, error.message)
-                return
         request = Request(request_id, ids, params, seqs)
         if params.stop:
             request.stop_checkers = {
@@ -161,7 +171,62 @@ class LLMEngine:
             }
         if params.logprobs is not None:
             request.logprobs = {s.seq_id: [] for s in seqs}
-        self._track(request, len(ids) * len(seqs))
+        if isinstance(prepared, Future):  # a new constraint: queued once it has compiled
+            self._requests[request_id] = request
+            self.structured.hold(prepared, request)
+            return
+        if prepared is not None:
+            self.structured.add(seqs, prepared)
+        self._schedule(request)
+
+    def _schedule(self, request: Request) -> None:
+        """Queue a request's sequences, or reject it (every sample has the same lengths: the
+        first one's error is all of theirs)."""
+        for seq in request.seqs:
+            error = self.scheduler.add(seq)
+            if error is not None:
+                self._requests.pop(request.request_id, None)
+                if self.structured is not None:
+                    self.structured.release(s.seq_id for s in request.seqs)
+                self._reject(request.request_id, request.prompt_token_ids, *error)
+                return
+        self._track(request, len(request.prompt_token_ids) * len(request.seqs))
+
+    def _structured(self) -> StructuredOutputs:
+        """The structured-output state, built on first use from the engine's tokenizer."""
+        if self.structured is None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "structured_outputs need the model's tokenizer; this engine has none"
+                )
+            compiler = GrammarCompiler(
+                self.tokenizer.to_json(), self.limits.vocab_size, self.eos_token_ids
+            )
+            self.structured = StructuredOutputs(
+                compiler, self.eos_token_ids, self.config.structured_output_threads
+            )
+        return self.structured
+
+    def check_structured_outputs(self, constraint: StructuredOutputsParams) -> str | None:
+        """Compile a constraint into the engine's cache; why it is refused, or None. The
+        planner calls it for each row while it plans a shard, ahead of the rows' admission."""
+        try:
+            return self._structured().compiler.check(constraint)
+        except ValueError as e:
+            return str(e)
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose constraint has compiled (reject those refused); when
+        nothing else can run, wait for the first."""
+        if self.structured is None or not self.structured.num_held:
+            return
+        idle = not self.scheduler.has_unfinished() and self._inflight is None
+        for request, error in self.structured.ready(block=idle):
+            if error is None:
+                self._schedule(request)
+                continue
+            del self._requests[request.request_id]
+            self._reject(request.request_id, request.prompt_token_ids, error.code, str(error))
 
     def add_score_request(
         self,
@@ -275,6 +340,7 @@ class LLMEngine:
         scheduled once more; that extra token is dropped. The same tokens come out either way
         (up to the rounding of a differently composed batch, as with any change of batch).
         """
+        self._admit_compiled()
         finished_outputs, self._ready = self._ready, []
         if not self.scheduler.has_unfinished():
             if self._inflight is not None:
@@ -285,17 +351,44 @@ class LLMEngine:
             if seq.is_score:
                 self._requests[seq.request_id].scores[seq.sample_index] = ScoreAccumulator()
         sampling = self._sampling_batch(out.scheduled)
-        handle = self.runner.launch(out.scheduled, sampling, self._inflight_handle())
+        sample_seqs = [item.seq for item in out.scheduled if item.samples]
+        constrained = self.structured is not None and self.structured.any_constrained(sample_seqs)
+        fwd = self.runner.forward(out.scheduled, self._inflight_handle())
+        handle = None if constrained else self.runner.sample(fwd, sampling)
         advanced = self.scheduler.advancing(out)
         launched = _Launched(handle, out, self.scheduler.advance(out), advanced)
         launched.epochs = [s.seq.num_preemptions for s in out.scheduled]
         self.stats.num_steps += 1
         if self._inflight is not None:
             finished_outputs += self._resolve(self._pop_inflight())
+        if constrained:
+            # A row's mask depends on its previous token, which the step resolved just above
+            # sampled: the masks are filled now, while the device runs this step's model pass,
+            # and the draw is enqueued behind it.
+            launched.handle = self._sample_constrained(fwd, sampling, sample_seqs)
         self._inflight = launched
         if not self.config.async_scheduling:
             finished_outputs += self._resolve(self._pop_inflight())
         return finished_outputs
+
+    def _sample_constrained(self, fwd, sampling: SamplingBatch, seqs: list[Sequence]) -> StepHandle:
+        """Fill the sampling rows' token masks on the host and enqueue the masked draw."""
+        bitmask = self.runner.bitmask_buffer(len(seqs), self.structured.words)
+        for seq, message in self.structured.fill(bitmask, seqs):
+            self._fail(
+                seq, "structured_output_failed", f"the grammar refused the output: {message}"
+            )
+        return self.runner.sample(fwd, sampling, bitmask)
+
+    def _fail(self, seq: Sequence, code: str, message: str) -> None:
+        """End seq's request as an error output (returned once its steps in flight resolve)."""
+        request = self._requests.get(seq.request_id)
+        if request is None or request.error is not None:
+            return
+        request.error = (code, message)
+        self.stats.num_errors += 1
+        for s in request.seqs:
+            self.scheduler.finish(s, "error")
 
     def _inflight_handle(self):
         return self._inflight.handle if self._inflight is not None else None
@@ -334,7 +427,10 @@ class LLMEngine:
             request = self._requests.get(seq.request_id)
             if request is not None and request.finished() and request.settled():
                 self.stats.num_cached_tokens += sum(s.num_cached_tokens for s in request.seqs)
-                outputs.append(request.output(self._decode))
+                flags = None
+                if self.structured is not None and request.params.structured_outputs:
+                    flags = self.structured.finish(request)
+                outputs.append(request.output(self._decode, flags))
                 del self._requests[seq.request_id]
                 self.runner.sampler.penalties.release(s.seq_id for s in request.seqs)
         return outputs

@@ -7,8 +7,10 @@ which run the same forward in lockstep (`execute`); see batchgen.engine.tensor_p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
+from collections.abc import Iterator
 
 import torch
 
@@ -19,6 +21,7 @@ from batchgen.distributed.one_shot import select_one_shot
 from batchgen.distributed.watchdog import Watchdog
 from batchgen.distributed.workers import WorkerError, WorkerPool
 from batchgen.engine import mixed_graph
+from batchgen.engine.bitmask_upload import BitmaskUploader
 from batchgen.engine.cuda_graph import smallest_bucket
 from batchgen.engine.graph_capture import capture_graphs
 from batchgen.engine.host_to_device import PinnedStager
@@ -28,7 +31,7 @@ from batchgen.engine.rank_guard import RankGuard
 from batchgen.engine.request_checks import check_cache_size
 from batchgen.engine.sampler import Sampler, SamplingBatch
 from batchgen.engine.scheduler_output import ScheduledSequence
-from batchgen.engine.step_handle import StepHandle
+from batchgen.engine.step_handle import StepForward, StepHandle
 from batchgen.engine.step_inputs import StepInputs, build_step_inputs, pad_block_tables
 from batchgen.engine.tensor_parallel import (
     ModelBuilder,
@@ -188,6 +191,7 @@ class ModelRunner:
                 self.mixed_chunk_tokens = 0
         self.stager = PinnedStager(self.device)
         self.sampler = Sampler(self.stager.to_device)
+        self.masks = BitmaskUploader(self.stager, self.device, self.config.max_num_seqs)
         self._last_tokens = None  # a worker's copy of the last step's sampled tokens
         c = self.model_config
         self.num_kv_heads = self.model.part.num_kv_heads  # this rank's (all without tp)
@@ -276,17 +280,18 @@ class ModelRunner:
             **split,
         )
 
-    @torch.inference_mode()
     def launch(
         self,
         scheduled: list[ScheduledSequence],
         sampling: SamplingBatch,
         previous: StepHandle | None = None,
+        bitmask: torch.Tensor | None = None,
     ) -> StepHandle:
         """Enqueue one step on the device and return at once; `result()` waits for it.
 
         `previous` is the step still in flight: its sampled tokens, which this step's decode
         rows may take as input (PENDING_TOKEN in their token_ids), are read on the device.
+        `bitmask`: the sampling rows' allowed tokens (see `sample`).
 
         Tensor parallel: the step's inputs go to the other ranks first (their runners' execute),
         then every rank runs the forward; rank 0 samples and broadcasts the sampled tokens.
@@ -294,7 +299,20 @@ class ModelRunner:
         Raises:
             TensorParallelError: another rank died or failed (the engine cannot go on).
         """
-        try:
+        return self.sample(self.forward(scheduled, previous), sampling, bitmask)
+
+    @torch.inference_mode()
+    def forward(
+        self, scheduled: list[ScheduledSequence], previous: StepHandle | None = None
+    ) -> StepForward:
+        """Enqueue a step's model pass and its sampling rows' logits; `sample` draws from them.
+
+        Split from the draw so the host can prepare what the draw needs (structured output's
+        token masks, which depend on the tokens of `previous`) while the device runs the pass.
+        Tensor parallel: the other ranks run the same pass and the logits gather, then wait in
+        the sampled tokens' broadcast, which `sample` (rank 0 only) completes.
+        """
+        with self._tp_errors():
             if self.peers is not None:
                 self.peers.check()
             self.stager.begin_step()
@@ -304,22 +322,51 @@ class ModelRunner:
                 self.peers.send_step((dataclasses.replace(step, pending_seqs=[]), sources))
             previous_tokens = previous.tokens if previous is not None else None
             hidden, sample_rows = self._forward(step, previous_tokens, sources)
-            tokens = raw_logprobs = None
+            logits = None
             if sample_rows:
-                logits = self._logits(hidden, sample_rows)  # [N, V], the model's dtype
-                tokens, raw_logprobs = self.sampler.sample(logits, sampling)
+                logits = self._logits(hidden, sample_rows)  # [N, V] on rank 0, the model's dtype
+            sample_ids = [item.seq.seq_id for item in scheduled if item.samples]
+            return StepForward(step, hidden, logits, sample_ids)
+
+    def bitmask_buffer(self, rows: int, words: int) -> torch.Tensor:
+        """A host [rows, words] int32 buffer for the step in progress's token masks (pinned on
+        CUDA); fill it, then pass it to `sample`."""
+        return self.stager.host_buffer((rows, words), torch.int32)
+
+    @torch.inference_mode()
+    def sample(
+        self, fwd: StepForward, sampling: SamplingBatch, bitmask: torch.Tensor | None = None
+    ) -> StepHandle:
+        """Enqueue the draw of a forward's sampling rows (and its scored positions' log-probs);
+        return the step's handle at once.
+
+        bitmask: [N, ceil(V / 32)] int32 from `bitmask_buffer`, the N sampling rows' allowed
+        tokens, uploaded here and applied inside the sampling kernels; None: no constraint.
+        Tensor parallel: rank 0 holds the whole vocabulary's logits (gathered in `forward`), so
+        the masks apply here alone; the other ranks receive the masked draw's tokens.
+        """
+        with self._tp_errors():
+            tokens = raw_logprobs = None
+            if fwd.logits is not None:
+                mask = self.masks.upload(bitmask) if bitmask is not None else None
+                tokens, raw_logprobs = self.sampler.sample(fwd.logits, sampling, mask)
                 if self.tp is not None:
                     self.tp.broadcast_(tokens)  # the next step's pending inputs, on every rank
-            sample_ids = [item.seq.seq_id for item in scheduled if item.samples]
             return StepHandle(
                 self.stager,
                 tokens,
                 raw_logprobs,
                 sampling.params,
-                {seq_id: i for i, seq_id in enumerate(sample_ids)},
-                *self._score(hidden, step),
+                {seq_id: i for i, seq_id in enumerate(fwd.sample_ids)},
+                *self._score(fwd.hidden, fwd.step),
                 check=self.peers.check if self.peers is not None else None,
             )
+
+    @contextlib.contextmanager
+    def _tp_errors(self) -> Iterator[None]:
+        """Tensor parallel: an error raised because another rank died says which rank."""
+        try:
+            yield
         except TensorParallelError:
             raise
         except Exception as e:

@@ -36,15 +36,24 @@ class History:
     Attributes:
         key: the sequence's id (unique among the live sequences of one engine).
         token_ids: the sequence's live token list (prompt + outputs, including placeholders of
-            tokens still in flight); the row's new token goes to index len(token_ids). Only
-            ids the device does not hold yet are read, and those must be known (>= 0).
+            tokens still in flight). Only ids the device does not hold yet are read, and those
+            must be known (>= 0).
         num_prompt: leading ids that are the prompt (repetition reads them; frequency and
             presence count only the outputs after them).
+        length: the history's length when the step was scheduled, len(token_ids) by default;
+            the row's new token goes to this index. Taken at construction because the live list
+            may grow before the draw (a structured-output step draws after the next placeholder
+            is appended).
     """
 
     key: int
     token_ids: list[int]
     num_prompt: int
+    length: int = -1
+
+    def __post_init__(self) -> None:
+        if self.length < 0:
+            object.__setattr__(self, "length", len(self.token_ids))
 
 
 class PenaltyHistory:
@@ -89,7 +98,7 @@ class PenaltyHistory:
         semantics, over outputs only): logit -= frequency x count + presence x (count > 0).
         """
         device = logits.device
-        lengths = [len(h.token_ids) for h in histories]
+        lengths = [h.length for h in histories]
         buf_rows = self._rows(histories, lengths, device)
         step = max(1, CHUNK_POSITIONS // max(lengths))
         for lo in range(0, len(rows), step):
@@ -106,7 +115,7 @@ class PenaltyHistory:
         """Write the drawn tokens (tokens [N] on the device, rows into it) into the buffer at
         each history's next index: no host sync, the next step's penalties read them. Follows
         `apply` on the same histories, which made the buffer wide enough."""
-        positions = [len(h.token_ids) for h in histories]
+        positions = [h.length for h in histories]
         idx = self.stage([rows, buf_rows, positions], torch.int64, tokens.device)  # [3, P]
         self.ids[idx[1], idx[2]] = tokens[idx[0]].to(torch.int32)
         for h, n in zip(histories, positions):

@@ -52,6 +52,7 @@ class Request:
     score_errors: dict[int, tuple[str, str]] = field(default_factory=dict)
     num_candidates: int = 0  # > 0 marks a score request; seq.sample_index = candidate index
     return_token_logprobs: bool = False
+    error: tuple[str, str] | None = None  # (code, message): failed while running
 
     @property
     def is_score(self) -> bool:
@@ -64,8 +65,12 @@ class Request:
         """No launched step still owes this request tokens or scores."""
         return all(s.num_inflight == 0 for s in self.seqs)
 
-    def output(self, decode) -> RequestOutput:
-        """The finished request's RequestOutput; `decode(ids) -> str` decodes a sample once."""
+    def output(self, decode, incomplete: dict[int, bool | None] | None = None) -> RequestOutput:
+        """The finished request's RequestOutput; `decode(ids) -> str` decodes a sample once.
+        `incomplete`: per seq_id, whether a constrained sample's output falls short of its
+        structured_outputs constraint."""
+        if self.error is not None:
+            return RequestOutput.failed(self.request_id, self.prompt_token_ids, *self.error)
         # Prompt tokens served from the cache when the prompt was first computed (for a score
         # request, by its first candidate; the others reuse that prompt by construction).
         first = self.seqs[0] if self.seqs else None
@@ -100,6 +105,7 @@ class Request:
                     token_ids=list(seq.output_token_ids),
                     finish_reason=seq.finish_reason or "stop",
                     logprobs=self.logprobs.get(seq.seq_id),
+                    incomplete=(incomplete or {}).get(seq.seq_id),
                 )
             )
         return RequestOutput(

@@ -59,19 +59,28 @@ class Sampler:
         return token_list, gather_logprobs(raw_logprobs, token_list, batch.params)
 
     def sample(
-        self, logits: torch.Tensor, batch: SamplingBatch
+        self, logits: torch.Tensor, batch: SamplingBatch, bitmask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits: [N, V] (modified in place) -> (tokens [N] int64 on logits' device, log-softmax
         [N, V] of the raw logits when any row asked for logprobs, else None). Enqueues work
-        only: no host sync, so the next step can be scheduled while this one runs."""
+        only: no host sync, so the next step can be scheduled while this one runs.
+
+        bitmask: optional [N, ceil(V / 32)] int32 on the device, the rows' allowed tokens
+        (structured output); a disallowed token is never drawn, whatever the settings."""
         if self._direct(batch):
             # Temperature and filters only: the kernels read the model's logits (bf16 on GPU)
-            # and divide by each row's temperature in float32 as they read.
-            return self._sample(logits, batch.params, batch.seeds, batch.steps), None
-        logits = logits.float()
+            # and divide by each row's temperature in float32 as they read, and the bitmask.
+            return self._sample(logits, batch.params, batch.seeds, batch.steps, bitmask), None
         raw_logprobs = None
         if any(p.logprobs is not None for p in batch.params):
+            logits = logits.float()
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [N, V], before any processing
+        if bitmask is not None:
+            # The float32 copy, masked as it is made (no pass of its own); -inf stays -inf
+            # through penalties, so the order does not matter.
+            logits = ops.apply_token_bitmask(logits, bitmask)
+        else:
+            logits = logits.float()
         penalised = [i for i, p in enumerate(batch.params) if p.has_penalties]
         if penalised:
             histories = [batch.histories[i] for i in penalised]
@@ -132,16 +141,18 @@ class Sampler:
         params: list[SamplingParams],
         seeds: list[int],
         steps: list[int],
+        bitmask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """logits: [M, V] (any float dtype, untempered) -> [M] tokens, by Gumbel-max over each
-        row's top-k/top-p/min-p set of its logits / temperature (divided in the kernel)."""
+        row's top-k/top-p/min-p set of its logits / temperature (divided in the kernel), over
+        the tokens bitmask [M, ceil(V / 32)] allows (read in the kernel) when given."""
         device = logits.device
         temps = self.stage([p.temperature for p in params], torch.float32, device)
         seed_t, step_t = self._keys(seeds, steps, device)
         filters = self._filters(params, logits.shape[1], device)
         if filters is None:
-            return ops.sample_gumbel(logits, seed_t, step_t, temps)
-        return ops.sample_top_k_top_p(logits, seed_t, step_t, temps, *filters)
+            return ops.sample_gumbel(logits, seed_t, step_t, temps, bitmask)
+        return ops.sample_top_k_top_p(logits, seed_t, step_t, temps, *filters, bitmask)
 
     def _filters(self, params: list[SamplingParams], vocab: int, device):
         """(top_k [M] int32, top_p [M] float32, min_p [M] float32) on the device, each None when

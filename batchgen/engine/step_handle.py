@@ -1,14 +1,33 @@
-"""StepHandle: a launched step whose results are still on the device."""
+"""StepHandle: a launched step whose results are still on the device (and StepForward, its
+model pass before the draw)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from batchgen.engine.host_to_device import PinnedStager
 from batchgen.engine.sampler import gather_logprobs
+from batchgen.engine.step_inputs import StepInputs
 from batchgen.sampling_params import SamplingParams
+
+
+class StepForward(NamedTuple):
+    """A step's model pass, enqueued, before its draw (ModelRunner.forward -> sample).
+
+    Attributes:
+        step: the step's inputs.
+        hidden: [T', H] hidden states on the device (T' may include graph padding rows).
+        logits: [N, V] logits of the N sampling rows, or None when nothing samples.
+        sample_ids: seq_id of each sampling row, in batch order.
+    """
+
+    step: StepInputs
+    hidden: torch.Tensor
+    logits: torch.Tensor | None
+    sample_ids: list[int]
 
 
 class StepHandle:

@@ -40,6 +40,8 @@ class ResultRow:
     # OpenAI-batch output only: each sample's `choices[i].logprobs` object (a list for n > 1),
     # when the request asked for log-probs.
     logprobs: Any = None
+    # Structured output: the text falls short of its constraint (None: unconstrained row).
+    incomplete: bool | None | list[bool | None] = None
 
     @classmethod
     def failed(cls, row: InputRow, code: str, message: str, passthrough=None, num_prompt_tokens=0):

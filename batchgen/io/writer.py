@@ -37,6 +37,9 @@ class ShardLayout:
         model: the model name written in OpenAI-style records.
         mode: "generate" (ResultRow) or "score" (ScoreRow: one row per candidate).
         token_logprobs: score mode writes the per-token log-probs column.
+        structured: rows may be constrained (structured_outputs): the `incomplete` column.
+        parse_json: the `json` column (each text parsed as JSON, written back as normalised
+            JSON text; null where the text is no complete JSON value).
     """
 
     passthrough: tuple[tuple[str, Any], ...] = ()  # (column, polars dtype or None)
@@ -46,6 +49,8 @@ class ShardLayout:
     model: str = ""
     mode: str = "generate"
     token_logprobs: bool = False
+    structured: bool = False
+    parse_json: bool = False
 
 
 def _as_text(value: Any) -> str | None:
@@ -96,7 +101,28 @@ def to_frame(rows: list[ResultRow], layout: ShardLayout) -> pl.DataFrame:
     cols["num_prompt_tokens"] = pl.Series([r.num_prompt_tokens for r in rows], dtype=pl.Int64)
     cols["num_output_tokens"] = pl.Series([shaped(r.num_output_tokens) for r in rows], dtype=int_t)
     cols["num_cached_tokens"] = pl.Series([r.num_cached_tokens for r in rows], dtype=pl.Int64)
+    if layout.structured:
+        bool_t = pl.List(pl.Boolean) if layout.multi else pl.Boolean
+        cols["incomplete"] = pl.Series([shaped(r.incomplete) for r in rows], dtype=bool_t)
+    if layout.parse_json:
+        parsed = [_parsed(r.text) for r in rows]
+        cols["json"] = pl.Series(parsed, dtype=str_t)
     return pl.DataFrame([s.alias(n) for n, s in cols.items()])
+
+
+def _parsed(text: str | list[str] | None) -> str | list[str | None] | None:
+    """A generated text parsed as JSON and written back compactly (one schema whatever the
+    value's shape: a JSON text column, which DuckDB, polars or pandas decode), or None when it
+    is no complete JSON value (cut by max_tokens, or not JSON at all)."""
+    if isinstance(text, list):
+        return [_parsed(t) for t in text]  # type: ignore[misc]
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def score_frame(rows: list[ScoreRow], layout: ShardLayout) -> pl.DataFrame:

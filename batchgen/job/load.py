@@ -6,6 +6,7 @@ JobError naming the key path before any GPU work starts.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import fields
 from pathlib import Path
@@ -34,6 +35,7 @@ from batchgen.job.spec import (
 from batchgen.job.yaml_loader import JobYAMLError, load_yaml
 from batchgen.sampling_params import SamplingParams, SamplingParamsError
 from batchgen.short_repr import short_repr
+from batchgen.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 
 
 def load_job(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
@@ -221,6 +223,9 @@ def _sampling_spec(raw: dict) -> SamplingSpec:
     for key, value in sec.items():
         if key == "overrides_column":
             continue
+        if key == "structured_outputs":
+            params[key] = structured_outputs(value)
+            continue
         params[key] = check_type(f"sampling.{key}", value, types[key])
     try:
         SamplingParams(**params)
@@ -233,15 +238,52 @@ def _sampling_spec(raw: dict) -> SamplingSpec:
     return SamplingSpec(tuple(sorted(params.items())), overrides_column)
 
 
+def structured_outputs(value) -> dict | None:
+    """sampling.structured_outputs as plain data ({kind: value}), checked for shape. A `json`
+    value that is a string and not JSON text (it does not start with "{") names a schema file,
+    relative to the working directory like every job path; its content replaces it, so the
+    job's fingerprint covers the schema itself. Whether the grammar engine accepts the
+    constraint is checked once the job is loaded (pipeline/job_limits.py)."""
+    if value is None:
+        return None
+    key = "sampling.structured_outputs"
+    if isinstance(value, dict) and isinstance(value.get("json"), str):
+        text = value["json"]
+        if not text.lstrip().startswith("{"):
+            value = {**value, "json": _schema_file(f"{key}.json", text)}
+    try:
+        return StructuredOutputsParams.from_value(value).to_dict()
+    except (StructuredOutputsError, TypeError) as e:
+        raise JobError(f"{key}{str(e).removeprefix('structured_outputs')}") from None
+
+
+def _schema_file(key: str, path: str) -> object:
+    """The JSON content of a schema file named in the job."""
+    check_path(key, path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise JobError(f"{key}: cannot read schema file {path!r} ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise JobError(f"{key}: schema file {path!r} is not UTF-8 text") from None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise JobError(f"{key}: schema file {path!r} is not JSON ({e})") from None
+
+
 def _output_spec(raw: dict) -> OutputSpec:
-    sec = section(raw, "output", ["path", "shard_rows", "compression", "format"])
+    sec = section(raw, "output", ["path", "shard_rows", "compression", "format", "parse_json"])
     path = check_path("output.path", get(sec, "output", "path", "str"), output=True)
     shard_rows = get(sec, "output", "shard_rows", "int", 10000)
     if shard_rows < 1:
         raise JobError(f"output.shard_rows: {shard_rows} must be >= 1")
     compression = get(sec, "output", "compression", "str", "zstd", COMPRESSIONS)
     fmt = get(sec, "output", "format", "str", "parquet", OUTPUT_FORMATS)
-    return OutputSpec(path, shard_rows, compression, fmt)
+    parse_json = get(sec, "output", "parse_json", "bool", False)
+    if parse_json and fmt == "openai-batch":
+        raise JobError("output.parse_json: only Parquet output has a json column")
+    return OutputSpec(path, shard_rows, compression, fmt, parse_json)
 
 
 def require_prompt(job: JobSpec, formats: list[str]) -> None:

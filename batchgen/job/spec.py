@@ -72,6 +72,11 @@ class SamplingSpec:
     def base_params(self) -> dict[str, Any]:
         return dict(self.params)
 
+    @property
+    def may_constrain(self) -> bool:
+        """Rows may carry structured_outputs: the job sets it, or rows may (overrides)."""
+        return self.overrides_column is not None or "structured_outputs" in dict(self.params)
+
 
 @dataclass(frozen=True)
 class OutputSpec:
@@ -79,6 +84,7 @@ class OutputSpec:
     shard_rows: int = 10000
     compression: str = "zstd"
     format: str = "parquet"
+    parse_json: bool = False  # write a `json` column: the text parsed, as normalised JSON text
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from batchgen.models.errors import ModelLoadError
 from batchgen.models.moe_config import CHECKPOINT_NAMES, MoeConfig
 from batchgen.models.presets import TINY_PRESETS
 from batchgen.models.tiny_tokenizer import BOS, CHAT_TEMPLATE, EOS, train_tokenizer
+from batchgen.models.wide_tokenizer import wide_bpe_tokenizer
 
 
 def make_model(
@@ -22,6 +23,7 @@ def make_model(
     preset: str = "tiny",
     seed: int = 0,
     overrides: dict[str, Any] | None = None,
+    vocab_size: int | None = None,
 ) -> None:
     """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json and
     generation_config.json for a random tiny `arch` model into `out_dir`.
@@ -33,16 +35,23 @@ def make_model(
         seed: seeds the weights; the same seed gives the same tensors.
         overrides: config.json keys to change from the preset (e.g. num_key_value_heads,
             attention_bias, tie_word_embeddings: variants for tests).
+        vocab_size: None: the trained 512-token tokenizer. Else a byte-level BPE of exactly
+            this many tokens (wide_tokenizer.py), so work whose cost depends on the vocabulary
+            (structured output's token masks) can be measured at a real model's size.
     """
     if preset != "tiny":
         raise ModelLoadError(f"preset {preset!r}: make-model writes only the 'tiny' preset")
     if arch not in TINY_PRESETS:
         raise ModelLoadError(f"arch {arch!r}: expected one of {', '.join(sorted(TINY_PRESETS))}")
     os.makedirs(out_dir, exist_ok=True)
-    tokenizer = train_tokenizer(seed=seed)
+    if vocab_size is None:
+        tokenizer = train_tokenizer(seed=seed)
+        # Pad the vocabulary past the tokenizer's, as real checkpoints do (ids it never emits).
+        vocab = (tokenizer.get_vocab_size() + 63) // 64 * 64
+    else:
+        tokenizer = wide_bpe_tokenizer(vocab_size, seed=seed)
+        vocab = vocab_size
     bos_id, eos_id = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
-    # Pad the vocabulary past the tokenizer's, as real checkpoints do (ids it never emits).
-    vocab = (tokenizer.get_vocab_size() + 63) // 64 * 64
     config = {
         **TINY_PRESETS[arch],
         "vocab_size": vocab,

@@ -101,6 +101,10 @@ class Tokenizer:
     def decode_batch(self, batch: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
         return self._tok.decode_batch(batch, skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer in tokenizer.json form (what the grammar engine indexes)."""
+        return self._tok.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 

@@ -6,6 +6,7 @@ Tests and the lead's real-engine tests swap these through the Runner's `engine_f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from batchgen.engine.request_checks import ModelLimits
@@ -64,6 +65,27 @@ def build_tokenizer(job: JobSpec) -> TokenizerLike:
         return Tokenizer.from_dir(job.model.path)
     except ModelLoadError as e:
         raise JobError(f"model.path: {e}") from None
+
+
+def structured_check(tokenizer, limits: ModelLimits) -> Callable[[Any], str | None]:
+    """constraint -> why the grammar engine refuses it, or None (`batchgen validate`'s check).
+    Compiled against the tokenizer's vocabulary when it is the real one (the grammar engine
+    indexes tokenizer.json, about a second at 150k tokens, only once a row needs it); the
+    grammar alone otherwise."""
+    from batchgen.engine.structured.grammar import GrammarCompiler, check_constraint
+
+    compiler = None
+
+    def check(constraint) -> str | None:
+        nonlocal compiler
+        if not hasattr(tokenizer, "to_json") or limits.vocab_size is None:
+            return check_constraint(constraint)
+        if compiler is None:
+            eos = getattr(tokenizer, "eos_token_ids", ())
+            compiler = GrammarCompiler(tokenizer.to_json(), limits.vocab_size, eos)
+        return compiler.check(constraint)
+
+    return check
 
 
 def model_limits(job: JobSpec) -> ModelLimits:

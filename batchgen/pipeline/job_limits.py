@@ -8,6 +8,7 @@ refuse at start-up, stops the job before any model loads, naming the job file an
 from __future__ import annotations
 
 from batchgen.engine.request_checks import ModelLimits, check_cache_size, check_params
+from batchgen.engine.structured.grammar import check_constraint
 from batchgen.job import JobError, JobSpec
 from batchgen.sampling_params import SamplingParams
 
@@ -23,7 +24,14 @@ def check_job_limits(job: JobSpec, limits: ModelLimits) -> None:
         return  # score jobs have no sampling section
     given = job.sampling.base_params()
     # validate_job built these params once already, so this cannot raise.
-    error = check_params(SamplingParams(**given), limits)
+    params = SamplingParams(**given)
+    error = check_params(params, limits)
     # A field left at its default is checked per row instead: a row's overrides may set it.
     if error is not None and error.field in given:
         raise JobError(f"{job.source}: sampling.{error.message}")
+    if params.structured_outputs is not None:
+        # The schema, regex or grammar itself: one the grammar engine refuses would fail
+        # every row. (batchgen validate also compiles it against the tokenizer.)
+        refused = check_constraint(params.structured_outputs)
+        if refused is not None:
+            raise JobError(f"{job.source}: sampling.{refused}")

@@ -43,9 +43,21 @@ class GenerateMode:
     def layout(self, passthrough: tuple[tuple[str, Any], ...], model: str) -> ShardLayout:
         out = self.job.output
         multi = self.job.sampling.base_params().get("n", 1) > 1
-        return ShardLayout(passthrough, multi, out.format, out.compression, model)
+        return ShardLayout(
+            passthrough,
+            multi,
+            out.format,
+            out.compression,
+            model,
+            structured=self.job.sampling.may_constrain,
+            parse_json=out.parse_json,
+        )
 
-    def planner(self, renderer: PromptRenderer, tokenizer, limits: ModelLimits) -> Planner:
+    def planner(
+        self, renderer: PromptRenderer, tokenizer, limits: ModelLimits, structured_check=None
+    ) -> Planner:
+        """The job's planner; structured_check (constraint -> why refused, or None) compiles
+        rows' structured_outputs (the engine's own compiler in a run)."""
         job = self.job
         if job.output.format == "openai-batch":
             self._token_bytes = getattr(tokenizer, "token_bytes", None)
@@ -58,6 +70,7 @@ class GenerateMode:
             job.input.columns,
             job.sampling.overrides_column,
             allow_multi=multi,
+            structured_check=structured_check,
         )
 
     def submit(self, engine, request_id: str, req: Request) -> None:
@@ -67,7 +80,15 @@ class GenerateMode:
         return [to_result(req, out, self._token_bytes)]
 
     def fingerprint_parts(self, parts: dict[str, str]) -> dict[str, str]:
-        return parts
+        """The output's columns beyond the contract's: named only when present, so jobs
+        without them keep their fingerprint, and an output begun before they existed is
+        refused (its shards lack them) instead of mixed."""
+        extra = {}
+        if self.job.sampling.may_constrain and self.job.output.format == "parquet":
+            extra["output.incomplete_column"] = "1"
+        if self.job.output.parse_json:
+            extra["output.parse_json"] = "1"
+        return {**parts, **extra}
 
     def check(self, k: int, num_rows: int, results: list[ResultRow]) -> None:
         """Every row of shard k has exactly one result."""

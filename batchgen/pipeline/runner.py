@@ -271,8 +271,12 @@ class Runner:
         if self.engine is None:
             self.log(f"loading model {self.job.model.path} ...")
             self.engine = self.engine_factory(self.job)
-            # The engine's own limits: rows it would refuse become error records up front.
-            self._plan = self.mode.planner(self.renderer, self.tokenizer, self.engine.limits)
+            # The engine's own limits: rows it would refuse become error records up front; and
+            # its grammar compiler, so a shard's new constraints compile as it is planned.
+            check = getattr(self.engine, "check_structured_outputs", None)
+            self._plan = self.mode.planner(
+                self.renderer, self.tokenizer, self.engine.limits, structured_check=check
+            )
         return self._plan
 
     def _loop(self) -> bool:

@@ -62,7 +62,10 @@ class ScoreMode:
             token_logprobs=self.spec.return_token_logprobs,
         )
 
-    def planner(self, renderer: PromptRenderer, tokenizer, limits: ModelLimits) -> ScorePlanner:
+    def planner(
+        self, renderer: PromptRenderer, tokenizer, limits: ModelLimits, structured_check=None
+    ) -> ScorePlanner:
+        """The score planner (structured_check is unused: score mode generates nothing)."""
         return ScorePlanner(renderer, tokenizer, limits, self.spec, self.job.input.columns)
 
     def submit(self, engine, request_id: str, req: ScoreRequest) -> None:

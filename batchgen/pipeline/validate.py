@@ -80,7 +80,7 @@ def validate(
             raise JobError(f"prompt: {e}") from None
         limits = (limits_fn or factory.model_limits)(job)
         check_job_limits(job, limits)
-        planner = mode.planner(renderer, tok, limits)
+        planner = mode.planner(renderer, tok, limits, factory.structured_check(tok, limits))
         return _check_rows(job, files, mode.reader(files, columns), planner, max_examples)
 
 

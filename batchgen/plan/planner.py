@@ -8,10 +8,11 @@ a group (so long prefills start early and short ones fill the gaps).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
-from batchgen.engine.request_checks import ModelLimits, check_request
+from batchgen.engine.request_checks import ModelLimits, RequestError, check_request
 from batchgen.io.json_line import loads
 from batchgen.io.readers import OPENAI_KEY
 from batchgen.io.rows import InputRow, ResultRow
@@ -20,6 +21,10 @@ from batchgen.plan.openai_logprobs import TokenBytes, chat_logprobs, completion_
 from batchgen.plan.openai_request import parse_body
 from batchgen.plan.prompts import Conversation, PromptError, PromptRenderer, RenderedPrompt
 from batchgen.sampling_params import SamplingParams, SamplingParamsError
+from batchgen.structured_outputs import StructuredOutputsParams
+
+# The row error code of a structured_outputs constraint the grammar engine refuses.
+BAD_STRUCTURED_OUTPUT = "bad_structured_output"
 
 PREFIX_TOKENS = 32  # rows whose first 32 prompt tokens agree form one prefix group
 # Characters per tokenizer call: tokenizing holds about 170 bytes per character at its peak
@@ -94,6 +99,10 @@ class Planner:
         passthrough: input columns copied to the output.
         overrides_column: optional column of per-row sampling overrides (dict or JSON text).
         allow_multi: rows may ask for n > 1 (the output has the list layout).
+        structured_check: constraint -> why the grammar engine refuses it, or None; a row
+            whose structured_outputs it refuses is a bad_structured_output error record. In a
+            run it is the engine's compiler, so planning a shard compiles its rows' new
+            constraints before they reach the engine.
     """
 
     def __init__(
@@ -105,6 +114,7 @@ class Planner:
         passthrough: tuple[str, ...] = (),
         overrides_column: str | None = None,
         allow_multi: bool = True,
+        structured_check: Callable[[StructuredOutputsParams], str | None] | None = None,
     ):
         self.renderer = renderer
         self.tokenizer = tokenizer
@@ -113,6 +123,7 @@ class Planner:
         self.passthrough = passthrough
         self.overrides_column = overrides_column
         self.allow_multi = allow_multi
+        self.structured_check = structured_check
 
     def plan(self, rows: list[InputRow]) -> Plan:
         """Raises RenderStopped if the renderer's stop turns true while chat templates run."""
@@ -149,7 +160,7 @@ class Planner:
             if not ids or (isinstance(prompt, RenderedPrompt) and prompt.text == ""):
                 errors.append(ResultRow.failed(row, "empty_prompt", "prompt is empty", keep))
                 continue
-            error = check_request(ids, params.params, self.limits)
+            error = check_request(ids, params.params, self.limits) or self._check_structured(params)
             if error is not None:
                 message = error.message
                 if error.field is not None:  # say where the field was set: job, body or row
@@ -161,6 +172,17 @@ class Planner:
                     Request(row.index, row.id, ids, params.params, keep, s.chat, row.source)
                 )
         return Plan(order_requests(requests), errors)
+
+    def _check_structured(self, params: _Params) -> RequestError | None:
+        """The row's constraint against the grammar engine (a refusal names where it was set:
+        params.structured_outputs.json: ..., sampling.structured_outputs...)."""
+        constraint = params.params.structured_outputs
+        if constraint is None or self.structured_check is None:
+            return None
+        refused = self.structured_check(constraint)
+        if refused is None:
+            return None
+        return RequestError(BAD_STRUCTURED_OUTPUT, refused, "structured_outputs")
 
     def _passthrough(self, row: InputRow) -> dict[str, Any]:
         data = row.data or {}
@@ -317,6 +339,7 @@ def to_result(
             finish_reason=s.finish_reason,
             num_output_tokens=len(s.token_ids),
             logprobs=logprobs[0],
+            incomplete=s.incomplete,
         )
     return ResultRow(
         **base,
@@ -324,4 +347,5 @@ def to_result(
         finish_reason=[s.finish_reason for s in samples],
         num_output_tokens=[len(s.token_ids) for s in samples],
         logprobs=logprobs,
+        incomplete=[s.incomplete for s in samples],
     )

@@ -142,3 +142,34 @@ def test_gptq_refused_with_a_checkpoint_or_the_peer(tmp_path):
     moe = [a if a != "tiny" else "tiny-moe" for a in SMOKE]
     result = CliRunner().invoke(bench, [*moe, "--quantization", "gptq"])
     assert result.exit_code == 2 and "tiny-moe is a mixture-of-experts model" in result.output
+
+
+def test_structured_smoke_runs_the_replay(tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
+                "required": ["ok", "n"],
+                "additionalProperties": False,
+            }
+        )
+    )
+    out = tmp_path / "bench.json"
+    args = ["--model-preset", "tiny", "--device", "cpu", "--warmup", "1", "--num-prompts", "4"]
+    result = CliRunner().invoke(
+        bench, [*args, "--structured-schema", str(schema), "--json", str(out)]
+    )
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    report = json.loads(out.read_text())
+    block = report["structured"]
+    assert block["finish_reasons"] == {"stop": 4}  # every request ended with its JSON
+    assert block["tokenizer"].startswith("wide BPE, 512 tokens")
+    replay = block["replay"]["result"]
+    # The replay generated exactly the constrained run's tokens, unconstrained.
+    assert replay["output_tokens"] == report["result"]["output_tokens"] == block["output_tokens"]
+    assert sum(block["replay"]["max_tokens"]) == block["output_tokens"]
+    assert block["ratio"] > 0 and report["result"]["masks"]["rows"] > 0
+    assert replay["masks"] is None
+    assert "batchgen / replay" in result.output and "token masks on the host" in result.output

@@ -30,6 +30,33 @@ def test_tensor_parallel_bench_smoke(tmp_path):
     assert report["model"]["all_reduce"]["why_nccl"] == "not a bf16/fp32 GPU"
 
 
+def test_tensor_parallel_structured_bench(tmp_path):
+    """--structured-schema with two ranks: rank 0's engine masks, the replay matches its length."""
+    schema = tmp_path / "schema.json"
+    schema.write_text(
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
+                "required": ["ok", "n"],
+                "additionalProperties": False,
+            }
+        )
+    )
+    out = tmp_path / "bench.json"
+    args = ["--model-preset", "tiny", "--device", "cpu", "--warmup", "1", "--num-prompts", "3",
+            "--tensor-parallel-size", "2", "--structured-schema", str(schema),
+            "--json", str(out)]  # fmt: skip
+    result = CliRunner().invoke(bench, args)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    report = json.loads(out.read_text())
+    assert report["model"]["tensor_parallel_size"] == 2
+    block = report["structured"]
+    assert block["finish_reasons"] == {"stop": 3}  # every request ended with its JSON
+    assert report["result"]["errors"] == 0 and report["result"]["masks"]["rows"] > 0
+    assert block["replay"]["result"]["output_tokens"] == block["output_tokens"] > 0
+
+
 def test_tensor_parallel_moe_bench_reports_rank_zeros_experts(tmp_path):
     out = tmp_path / "bench.json"
     args = ["--model-preset", "tiny-moe", "--device", "cpu", "--max-output-tokens", "4",

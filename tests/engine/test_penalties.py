@@ -48,7 +48,9 @@ def _check_steps(device: str, steps: int = 6, exact: bool = True) -> PenaltyHist
         logits = 3 * torch.randn(len(keys) + 2, VOCAB, generator=gen)
         rows = list(range(1, len(keys) + 1))  # row 0 and the last one take no penalty
         want, got = logits.clone(), logits.clone().to(device)
-        buf_rows = state.apply(got, rows, [live[k] for k in keys], params)
+        # A step's views, as the engine builds them each step (length fixed at scheduling).
+        views = [History(k, live[k].token_ids, live[k].num_prompt) for k in keys]
+        buf_rows = state.apply(got, rows, views, params)
         apply_penalties_ref(
             want, [None] + [History(k, known[k], live[k].num_prompt) for k in keys] + [None],
             [SamplingParams()] + params + [SamplingParams()],
@@ -59,7 +61,7 @@ def _check_steps(device: str, steps: int = 6, exact: bool = True) -> PenaltyHist
             torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
         # Draw, record on the device; the host learns the ids one step later, as async does.
         tokens = torch.tensor([rng.randrange(VOCAB) for _ in range(len(keys) + 2)])
-        state.record(tokens.to(device), rows, buf_rows, [live[k] for k in keys])
+        state.record(tokens.to(device), rows, buf_rows, views)
         for row, k in zip(rows, keys):
             known[k].append(int(tokens[row]))
             ids = live[k].token_ids

@@ -1,0 +1,1 @@
+"""Structured output: grammars compiled from constraints, per-sequence matchers, token masks."""
