@@ -1,4 +1,5 @@
-"""The `batchgen` command line: run, validate, status, make-model (and bench when present)."""
+"""The `batchgen` command line: run, validate, status, make-model (and bench when present;
+perplexity from batchgen/perplexity_cli.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from contextlib import contextmanager
 import click
 
 from batchgen.job import JobError, load_job
+from batchgen.perplexity_cli import perplexity
 from batchgen.pipeline.exit_codes import (
     EX_TEMPFAIL,
     EXIT_ABORTED,
@@ -309,8 +311,15 @@ def status(out_dir) -> None:
     type=click.Choice(["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"]),
     required=True,
 )
-@click.option("--preset", default="tiny", show_default=True, help="Model size preset.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
+@click.option(
+    "--preset",
+    default="tiny",
+    show_default=True,
+    help="tiny (random weights, seconds) or trained-tiny (llama only: trained on CPU on the "
+    "Python standard library's source; about an hour on 2 busy cores).",
+)
+@click.option("--seed", default=0, show_default=True, help="Seed of the weights.")
+@click.option("--steps", type=int, default=None, help="trained-tiny: training steps (default 250).")
 @click.option(
     "--vocab-size",
     type=click.IntRange(min=262),
@@ -319,11 +328,33 @@ def status(out_dir) -> None:
     "trained 512-token one.",
 )
 @click.argument("out_dir", type=click.Path(file_okay=False))
-def make_model(arch, preset, seed, vocab_size, out_dir) -> None:
-    """Write a small random-weight HF model (config, tokenizer, safetensors) to OUT_DIR."""
+def make_model(arch, preset, seed, steps, vocab_size, out_dir) -> None:
+    """Write a small HF model (config, tokenizer, safetensors) to OUT_DIR."""
+    if preset == "trained-tiny":
+        if arch != "llama":
+            _fail(f"--preset trained-tiny is a llama model, not --arch {arch}")
+        if steps is not None and steps < 1:
+            _fail("--steps must be >= 1")
+        if vocab_size is not None:
+            _fail("--vocab-size does not apply to --preset trained-tiny (its BPE is trained)")
+        from batchgen.models.trained_tiny import build as train
+
+        try:
+            record = train(out_dir, steps=steps, seed=seed, log=lambda m: click.echo(m, err=True))
+        except FileNotFoundError as e:
+            _fail(str(e))
+        click.echo(
+            f"wrote trained-tiny model to {out_dir} (held-out loss "
+            f"{record['heldout_loss_fp32']:.4f}, {record['seconds']:.0f} s)"
+        )
+        return
+    from batchgen.models.errors import ModelLoadError
     from batchgen.models.make_model import make_model as build
 
-    build(out_dir, arch, preset, seed, vocab_size=vocab_size)
+    try:
+        build(out_dir, arch, preset, seed, vocab_size=vocab_size)
+    except ModelLoadError as e:
+        _fail(str(e))
     click.echo(f"wrote {arch}/{preset} model to {out_dir}")
 
 
@@ -332,6 +363,8 @@ if importlib.util.find_spec("batchgen.bench.cli") is not None:
     from batchgen.bench.cli import bench
 
     main.add_command(bench)
+
+main.add_command(perplexity)
 
 
 if __name__ == "__main__":

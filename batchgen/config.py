@@ -24,6 +24,19 @@ class EngineConfig:
         model: path to a Hugging Face model directory.
         dtype: "auto" (the checkpoint's torch_dtype; float32 on CPU), "bfloat16", "float16",
             "float32".
+        quantization: None, or "fp8": a 16-bit checkpoint's decoder projections quantized at
+            load to FP8 e4m3 (per-output-channel weight scales, activations quantized per token
+            as they enter each projection); lm_head and the embedding stay 16-bit. A checkpoint
+            with a quantization_config (FP8 ones: batchgen.models.quantization) runs as it says
+            with or without this option.
+        kv_cache_dtype: "auto" (the activations' dtype) or "fp8" (e4m3: half the bytes of a
+            16-bit cache, twice the tokens in the same memory). Each layer's K and V are stored
+            divided by a per-layer scale: the checkpoint's (compressed-tensors kv_cache_scheme
+            k_scale / v_scale), else 1.0, unless calibrate_kv_scales sets them.
+        calibrate_kv_scales: with kv_cache_dtype fp8, N > 0 sets every layer's K/V scales once,
+            before the first request runs, from max |k| and |v| over the first N prompts the
+            engine receives (scale = max / 448); `batchgen run` takes the job's first N input
+            rows instead and keeps the scales in the output directory for resumes. 0: off.
         device: "auto" (cuda if present, else cpu), "cuda", "cuda:N" or "cpu".
         block_size: tokens per KV-cache block.
         num_kv_blocks: fixed number of KV blocks; None sizes the cache from memory.
@@ -83,6 +96,9 @@ class EngineConfig:
 
     model: str
     dtype: str = "auto"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    calibrate_kv_scales: int = 0
     device: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -110,6 +126,26 @@ class EngineConfig:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ConfigError(
                 f"dtype={short_repr(self.dtype)}: expected one of auto, bfloat16, float16, float32"
+            )
+        if self.quantization not in (None, "fp8"):
+            raise ConfigError(
+                f"quantization={short_repr(self.quantization)}: expected null or fp8 (FP8 "
+                "checkpoints are detected from their quantization_config)"
+            )
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ConfigError(
+                f"kv_cache_dtype={short_repr(self.kv_cache_dtype)}: expected auto or fp8 (e4m3)"
+            )
+        if self.calibrate_kv_scales < 0:
+            raise ConfigError(f"calibrate_kv_scales={self.calibrate_kv_scales}: must be >= 0")
+        if self.calibrate_kv_scales and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"calibrate_kv_scales={self.calibrate_kv_scales}: not supported with "
+                "tensor_parallel_size > 1 yet (the checkpoint's K/V scales, or 1.0, are)"
+            )
+        if self.calibrate_kv_scales and self.kv_cache_dtype != "fp8":
+            raise ConfigError(
+                f"calibrate_kv_scales={self.calibrate_kv_scales}: needs kv_cache_dtype fp8"
             )
         if not isinstance(self.device, str) or not DEVICE_PATTERN.fullmatch(self.device):
             raise ConfigError(

@@ -12,6 +12,7 @@ from batchgen.job.spec import PromptSpec
 from batchgen.llm_inputs import conversation_list, prompt_list
 from batchgen.models.hub import resolve_model
 from batchgen.outputs import RequestOutput, ScoreOutput
+from batchgen.plan.perplexity import PerplexityOutput, check_window_args, sliding_windows
 from batchgen.plan.prompts import PromptError, PromptRenderer
 from batchgen.plan.scoring import tokenize_for_scoring
 from batchgen.sampling_params import SamplingParams
@@ -185,6 +186,74 @@ class LLM:
             ]
             for i, o in enumerate(outputs)
         ]
+
+    def calibrate_kv_scales(
+        self, prompts: SequenceABC[str] | SequenceABC[list[int]]
+    ) -> list[tuple[float, float]]:
+        """With kv_cache_dtype="fp8": set each layer's K/V scales from max |k| and |v| over
+        `prompts` (text or token ids; scale = max / 448) and return them, before anything runs.
+        Without it the scales are the checkpoint's, else 1.0 (or the first
+        `calibrate_kv_scales` prompts' when that option is set)."""
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return self.engine.calibrate_kv_scales(ids)
+
+    def perplexity(
+        self,
+        texts: SequenceABC[str] | SequenceABC[list[int]],
+        context: int = 2048,
+        stride: int = 512,
+        use_tqdm: bool = True,
+    ) -> list[PerplexityOutput]:
+        """Sliding-window perplexity of each text (batchgen.plan.perplexity has the recipe:
+        Hugging Face's strided window, every token after the first scored once).
+
+        Args:
+            texts: strings (tokenized once each, BOS added as for generation) or token ids.
+            context: most tokens a window holds (<= the engine's max_model_len).
+            stride: tokens between window starts (1 .. context); each window scores the
+                tokens past the previous window's end, so every scored token has at least
+                context - stride tokens of context after the first window.
+            use_tqdm: show a progress bar over the windows.
+
+        Returns:
+            One PerplexityOutput per text, in input order (`.perplexity`, `.nll`,
+            `.num_tokens`); a text with fewer than 2 tokens, or a token the engine refuses,
+            has `.error`. `PerplexityOutput.pool(outputs)` pools several texts.
+        """
+        check_window_args(context, stride)
+        if context > self.engine.max_model_len:
+            raise ValueError(
+                f"context={context}: longer than the engine's max_model_len="
+                f"{self.engine.max_model_len}"
+            )
+        owners: list[int] = []  # window -> text index
+        outputs = [PerplexityOutput(0.0, 0, 0) for _ in texts]
+        for i, text in enumerate(texts):
+            ids = self.tokenizer.encode(text) if isinstance(text, str) else list(text)
+            windows = sliding_windows(len(ids), context, stride)
+            if not windows:
+                outputs[i].error_code = "too_short"
+                outputs[i].error = f"text {i} has {len(ids)} token(s): nothing to score"
+            for w in windows:
+                prompt, scored = ids[w.begin : w.scored_from], ids[w.scored_from : w.end]
+                self.engine.add_score_request(str(len(owners)), prompt, [scored])
+                owners.append(i)
+        for owner, result in zip(owners, self._run(len(owners), use_tqdm, "perplexity")):
+            out = outputs[owner]
+            score = result.scores[0] if result.scores is not None else None
+            error, code = (score.error, score.error_code) if score else (None, None)
+            if result.error is not None or error is not None:
+                if out.error is None:
+                    out.error = result.error or error
+                    out.error_code = result.error_code or code
+                continue
+            out.nll -= score.score
+            out.num_tokens += score.num_tokens
+            out.num_windows += 1
+        for out in outputs:
+            if out.error is not None:
+                out.nll, out.num_tokens = 0.0, 0
+        return outputs
 
     def _run(
         self,

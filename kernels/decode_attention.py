@@ -1,10 +1,12 @@
-"""Decode attention (one new token per sequence) over the paged cache: split-KV flash-decoding
-Triton kernels with GQA packing, and the torch reference."""
+"""Decode attention (one new token per sequence) over the paged cache (bf16/fp16/fp32, or FP8
+e4m3 dequantized with per-layer scales): split-KV flash-decoding Triton kernels with GQA
+packing, and the torch reference."""
 
 from __future__ import annotations
 
 import torch
 
+from .fp8 import check_kv_cache_dtype
 from .launch import (
     check_caches,
     check_dtype,
@@ -40,12 +42,13 @@ HEADS_FIRST = True
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, seq_lens_ptr, block_tables_ptr, out_ptr, part_acc_ptr, part_lse_ptr,
+    kv_scale_ptr,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ob, stride_oh,
     qk_scale, NUM_SPLITS,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
-    HEADS_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Grid (B, Hk, NUM_SPLITS), or (Hk, B, NUM_SPLITS) with HEADS_FIRST so that programs
     # running side by side read the neighbouring kv heads of the same cache slots (a slot holds
@@ -54,7 +57,8 @@ def _decode_split_kernel(
     # of the keys. NUM_SPLITS == 1 writes the output; otherwise a normalised partial and its
     # log2-sum-exp go to part_acc [B, Hq, S, D] / part_lse [B, Hq, S] for the reduce kernel.
     # NUM_SPLITS is a runtime value: the split count varies with the batch, and a compile per
-    # count would land in the middle of a run.
+    # count would land in the middle of a run. KV_FP8: the caches are e4m3, widened exactly to
+    # q's dtype per tile; k_scale joins qk_scale and v_scale multiplies the output (or partial).
     pdl_prologue(USE_PDL)
     if HEADS_FIRST:
         kvh = tl.program_id(0)
@@ -85,6 +89,8 @@ def _decode_split_kernel(
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(kv_scale_ptr)
     for start_n in range(n_lo, n_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_hi
@@ -95,6 +101,9 @@ def _decode_split_kernel(
         v_ptrs = v_base + (blk * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -108,11 +117,15 @@ def _decode_split_kernel(
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         # seq_len 0 (a padding row) has l_i == 0 and yields zeros, not NaN.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if KV_FP8:
+            out = out * tl.load(kv_scale_ptr + 1)
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         # An empty split (short sequence) leaves l_i == 0: partial 0 with weight exp2(-inf) = 0.
         nonempty = l_i > 0
         acc = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+        if KV_FP8:
+            acc = acc * tl.load(kv_scale_ptr + 1)
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         row = (b.to(tl.int64) * (num_kv_heads * GROUP) + heads) * NUM_SPLITS + split
         a_ptrs = part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
@@ -168,6 +181,7 @@ def paged_attention_decode(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its whole paged context, Triton kernels.
 
@@ -178,7 +192,8 @@ def paged_attention_decode(
         q: [B, Hq, D] (bf16/fp16/fp32), last dim contiguous; token b sits at position
             seq_lens[b] - 1 and attends to all seq_lens[b] keys (a row with seq_lens[b] == 0,
             e.g. CUDA-graph padding, gets zeros).
-        k_cache, v_cache: [NB, BS, Hk, D], BS a power of two, Hq % Hk == 0, q's dtype.
+        k_cache, v_cache: [NB, BS, Hk, D], BS a power of two, Hq % Hk == 0, q's dtype or
+            float8_e4m3fn (then read as float(k) * k_scale, float(v) * v_scale).
         seq_lens: [B] int32.
         block_tables: [B, MB] int32.
         scale: softmax scale.
@@ -187,6 +202,7 @@ def paged_attention_decode(
             MB * BS, the most the block tables can hold.
         out: where to write the result, [B, Hq, D] in q.dtype with a contiguous last dim (a
             view into a larger buffer is fine: a mixed step's decode rows); None allocates it.
+        kv_scale: FP8 caches only: [2] float32 (k_scale, v_scale).
 
     Returns:
         out, [B, Hq, D] in q.dtype.
@@ -205,11 +221,7 @@ def paged_attention_decode(
         raise ValueError(f"{op}: cache block size {bs} must be a power of two")
     if not (q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1):
         raise ValueError(f"{op}: q and caches need a contiguous last dim")
-    if not (k_cache.dtype == v_cache.dtype == q.dtype):
-        raise ValueError(
-            f"{op}: q, k_cache and v_cache dtypes differ: "
-            f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
-        )
+    fp8 = check_kv_cache_dtype(op, q.dtype, k_cache, v_cache, kv_scale)
     check_dtype(op, "q", q)
     if not (seq_lens.shape == (B,) and seq_lens.dtype == torch.int32):
         raise ValueError(
@@ -224,7 +236,7 @@ def paged_attention_decode(
         )
     if not (block_tables.stride(1) == 1 and seq_lens.is_contiguous()):
         raise ValueError(f"{op}: seq_lens and block_tables rows must be contiguous")
-    check_launchable(op, q, k_cache, v_cache, seq_lens, block_tables)
+    check_launchable(op, q, k_cache, v_cache, seq_lens, block_tables, *([kv_scale] if fp8 else []))
     if num_splits is None:
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * bs
         num_splits = choose_num_splits(B, HK, bound, q.device)
@@ -233,8 +245,9 @@ def paged_attention_decode(
     if out is not None:
         check_out(op, q, out)
     return launch_decode(
-        q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, *_tiles(), out=out
-    )
+        q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, *_tiles(), out=out,
+        kv_scale=kv_scale,
+    )  # fmt: skip
 
 
 def _tiles() -> tuple[int, int, int]:
@@ -257,10 +270,11 @@ def launch_decode(
     num_stages,
     heads_first: bool = HEADS_FIRST,
     out: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the split and reduce kernels on checked arguments with explicit tiles (tests,
-    benchmarks); out: a checked [B, Hq, D] to write, or None to allocate one;
-    paged_attention_decode is the entry point."""
+    benchmarks); out: a checked [B, Hq, D] to write, or None to allocate one; kv_scale: [2]
+    float32 for FP8 caches, else None; paged_attention_decode is the entry point."""
     B, HQ, D = q.shape
     bs, HK = k_cache.shape[1], k_cache.shape[2]
     if out is None:
@@ -277,13 +291,15 @@ def launch_decode(
     pdl = use_pdl(q.device)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, seq_lens, block_tables, out, part_acc, part_lse,
+        kv_scale if kv_scale is not None else seq_lens,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         scale * _LOG2E, num_splits,
         GROUP=group, BLOCK_G=max(16, pow2(group)), HEAD_DIM=D, BLOCK_D=pow2(D),
         BLOCK_N=block_n, PAGE_SIZE=bs,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEADS_FIRST=heads_first,
-        USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        KV_FP8=kv_scale is not None, USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        launch_pdl=pdl,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(B, HQ)](
@@ -304,9 +320,12 @@ def paged_attention_decode_ref(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference of paged_attention_decode (num_splits / max_seq_len are ignored); writes
-    into out when given."""
+    """Torch reference of paged_attention_decode (num_splits / max_seq_len are ignored; FP8
+    caches dequantized to float32); writes into out when given."""
+    fp8 = check_kv_cache_dtype("paged_attention_decode", q.dtype, k_cache, v_cache, kv_scale)
+    k_scale, v_scale = (kv_scale[0], kv_scale[1]) if fp8 else (None, None)
     if out is None:
         out = torch.zeros_like(q)
     else:
@@ -315,7 +334,7 @@ def paged_attention_decode_ref(
     for b, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
             continue
-        k = gather_kv_ref(k_cache, block_tables[b], seq_len)
-        v = gather_kv_ref(v_cache, block_tables[b], seq_len)
+        k = gather_kv_ref(k_cache, block_tables[b], seq_len, k_scale)
+        v = gather_kv_ref(v_cache, block_tables[b], seq_len, v_scale)
         out[b] = causal_attention_ref(q[b : b + 1], k, v, scale)[0]
     return out

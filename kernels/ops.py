@@ -95,14 +95,17 @@ def rope_and_store_kv(
     eps: float = 1e-6,
     rms_rows: torch.Tensor | None = None,
     rms_eps: float = 1e-6,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Split qkv [T, (Hq + 2 Hk) * D], RMS-normalise the q/k heads (when the weights are given),
     rotate q and k, store k and v at slot_mapping [T] in the [NB, BS, Hk, D] caches; returns q
     [T, Hq, D]. One kernel on GPU for what rms_norm, rotary_embedding and store_kvcache do.
     With rms_rows [T, H] each qkv row is first scaled by 1 / RMS of that hidden row (an input
-    RMSNorm folded into the projection)."""
+    RMSNorm folded into the projection). FP8 caches store k / k_scale and v / v_scale rounded
+    to e4m3 (kv_scale [2] float32)."""
     args = (qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_cache, v_cache,
-            slot_mapping, q_norm_weight, k_norm_weight, eps, rms_rows, rms_eps)  # fmt: skip
+            slot_mapping, q_norm_weight, k_norm_weight, eps, rms_rows, rms_eps,
+            kv_scale)  # fmt: skip
     if not use_triton(qkv):
         return _rope_store.rope_and_store_kv_ref(*args)
     return _rope_store.rope_and_store_kv(*args)
@@ -138,11 +141,13 @@ def store_kvcache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write k, v [T, Hk, D] into the [NB, BS, Hk, D] caches at slot_mapping [T] (skip < 0)."""
+    """Write k, v [T, Hk, D] into the [NB, BS, Hk, D] caches at slot_mapping [T] (skip < 0),
+    quantized with kv_scale [2] float32 when the caches are FP8."""
     if not use_triton(k):
-        return _kv_cache.store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
-    return _kv_cache.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+        return _kv_cache.store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping, kv_scale)
+    return _kv_cache.store_kvcache(k, v, k_cache, v_cache, slot_mapping, kv_scale)
 
 
 def paged_attention(
@@ -155,14 +160,15 @@ def paged_attention(
     scale: float,
     max_seqlen_q: int,
     out: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens q [T, Hq, D] over their paged context (prefill,
-    chunked prefill, mixed batches), written into out when given; see
-    kernels/paged_attention.py for the contract."""
+    chunked prefill, mixed batches), written into out when given; FP8 caches with kv_scale [2]
+    float32; see kernels/paged_attention.py for the contract."""
     args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q)
     if not use_triton(q):
-        return _prefill.paged_attention_ref(*args, out=out)
-    return _prefill.paged_attention(*args, out=out)
+        return _prefill.paged_attention_ref(*args, out=out, kv_scale=kv_scale)
+    return _prefill.paged_attention(*args, out=out, kv_scale=kv_scale)
 
 
 def varlen_attention(
@@ -189,14 +195,15 @@ def paged_attention_decode(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence, q [B, Hq, D], over its paged context, written
-    into out when given; CUDA-graph safe on GPU (pass max_seq_len, a host int, to size the KV
-    splits)."""
+    into out when given; FP8 caches with kv_scale [2] float32; CUDA-graph safe on GPU (pass
+    max_seq_len, a host int, to size the KV splits)."""
     args = (q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, max_seq_len)
     if not use_triton(q):
-        return _decode.paged_attention_decode_ref(*args, out=out)
-    return _decode.paged_attention_decode(*args, out=out)
+        return _decode.paged_attention_decode_ref(*args, out=out, kv_scale=kv_scale)
+    return _decode.paged_attention_decode(*args, out=out, kv_scale=kv_scale)
 
 
 def sample_gumbel(

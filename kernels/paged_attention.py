@@ -1,10 +1,12 @@
 """Causal attention over a ragged batch (prefill, chunked prefill, mixed), reading K/V from the
-paged cache or from contiguous per-sequence K/V: Triton flash-attention kernel and references."""
+paged cache (bf16/fp16/fp32, or FP8 e4m3 dequantized with per-layer scales) or from contiguous
+per-sequence K/V: Triton flash-attention kernel and references."""
 
 from __future__ import annotations
 
 import torch
 
+from .fp8 import check_kv_cache_dtype, dequantize_fp8_ref
 from .launch import (
     check_caches,
     check_dtype,
@@ -32,9 +34,11 @@ def _attend_tiles(
     stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     # Online softmax over key tiles [n_lo, n_hi); q is [BLOCK_M, BLOCK_D], scores in log2 units.
+    # KV_FP8: K/V tiles are e4m3, widened exactly to q's dtype (their scales are applied by the
+    # caller: k_scale inside qk_scale, v_scale to the output).
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     for start_n in range(n_lo, n_hi, BLOCK_N):
@@ -51,6 +55,9 @@ def _attend_tiles(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if CAUSAL_MASK:
             visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -66,13 +73,13 @@ def _attend_tiles(
 
 @triton.jit
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_ptr, seq_lens_ptr, block_tables_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_ptr, seq_lens_ptr, block_tables_ptr, kv_scale_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    PAGED: tl.constexpr, PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     # Grid (cdiv(max_seqlen_q, BLOCK_M), Hq, B): BLOCK_M new tokens of one sequence, one q head.
     # Query blocks run last-first: the costliest (most keys) start early, the cheap fill the tail.
@@ -104,20 +111,25 @@ def _attention_kernel(
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    if KV_FP8:  # q . (k_scale k) = k_scale (q . k); p @ (v_scale v) = v_scale (p @ v)
+        qk_scale = qk_scale * tl.load(kv_scale_ptr)
+        v_scale = tl.load(kv_scale_ptr + 1)
     # Keys before the tile's first query position are visible to every row: no mask there.
     n_full = ((ctx + m_block * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
     n_end = tl.minimum(seq_len, ctx + (m_block + 1) * BLOCK_M)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, q_start, 0, n_full, seq_len,
         stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PAGED, False, PRECISION,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PAGED, False, PRECISION, KV_FP8,
     )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, q_start, n_full, n_end, seq_len,
         stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PAGED, True, PRECISION,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PAGED, True, PRECISION, KV_FP8,
     )  # fmt: skip
     out = acc / l_i[:, None]
+    if KV_FP8:
+        out = out * v_scale
     o_ptrs = out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -138,11 +150,13 @@ def _tiles(head_dim: int, max_seqlen_q: int) -> tuple[int, int, int, int]:
 
 
 def launch_attention(
-    q, k, v, cu_seqlens, seq_lens, block_tables, scale, max_seqlen_q, paged, tiles=None, out=None
-) -> torch.Tensor:
+    q, k, v, cu_seqlens, seq_lens, block_tables, scale, max_seqlen_q, paged, tiles=None, out=None,
+    kv_scale=None,
+) -> torch.Tensor:  # fmt: skip
     """Launch the kernel on checked arguments, K/V paged ([NB, BS, Hk, D] caches) or contiguous
     ([T, Hk, D]); tiles = (BLOCK_M, BLOCK_N, num_warps, num_stages) or None for the default;
-    out: a checked [T, Hq, D] to write (check_out), or None to allocate one.
+    out: a checked [T, Hq, D] to write (check_out), or None to allocate one; kv_scale: [2]
+    float32 for FP8 caches, else None.
     paged_attention / varlen_attention are the entry points; this serves tests and benchmarks."""
     T, HQ, D = q.shape
     if out is None:
@@ -164,12 +178,13 @@ def launch_attention(
     _attention_kernel[grid](
         q, k, v, out, cu_seqlens,
         seq_lens if paged else cu_seqlens, block_tables if paged else cu_seqlens,
+        kv_scale if kv_scale is not None else cu_seqlens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *strides_k, *strides_v, stride_bt,
         scale * _LOG2E,
         GROUP=HQ // HK, HEAD_DIM=D, BLOCK_D=pow2(D), BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE_SIZE=page_size, PAGED=paged,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_scale is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
@@ -207,6 +222,7 @@ def paged_attention(
     scale: float,
     max_seqlen_q: int,
     out: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch of new tokens over their paged context, Triton kernel.
 
@@ -216,7 +232,8 @@ def paged_attention(
 
     Args:
         q: [T, Hq, D] (bf16/fp16/fp32), last dim contiguous.
-        k_cache, v_cache: [NB, BS, Hk, D], BS a power of two, Hq % Hk == 0, q's dtype.
+        k_cache, v_cache: [NB, BS, Hk, D], BS a power of two, Hq % Hk == 0, q's dtype or
+            float8_e4m3fn (then read as float(k) * k_scale, float(v) * v_scale).
         cu_seqlens_q: [B+1] int32.
         seq_lens: [B] int32, context length after this step (cached + new).
         block_tables: [B, MB] int32.
@@ -225,6 +242,7 @@ def paged_attention(
         out: where to write the result, [T, Hq, D] in q.dtype with a contiguous last dim (a
             view into a larger buffer is fine: a mixed step's rows after its decode rows);
             None allocates it.
+        kv_scale: FP8 caches only: [2] float32 (k_scale, v_scale).
 
     Returns:
         out, [T, Hq, D] in q.dtype.
@@ -232,11 +250,7 @@ def paged_attention(
     op = "paged_attention"
     check_caches(op, k_cache, v_cache)
     _check_q(op, q, k_cache.shape[2], k_cache.shape[3])
-    if not (k_cache.dtype == v_cache.dtype == q.dtype):
-        raise ValueError(
-            f"{op}: q, k_cache and v_cache dtypes differ: "
-            f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
-        )
+    fp8 = check_kv_cache_dtype(op, q.dtype, k_cache, v_cache, kv_scale)
     if not (k_cache.stride(3) == 1 and v_cache.stride(3) == 1):
         raise ValueError(f"{op}: caches need a contiguous last dim")
     bs = k_cache.shape[1]
@@ -252,18 +266,10 @@ def paged_attention(
         raise ValueError(f"{op}: max_seqlen_q must be >= 1, got {max_seqlen_q}")
     if out is not None:
         check_out(op, q, out)
-    check_launchable(op, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
+    metadata = (cu_seqlens_q, seq_lens, block_tables)
+    check_launchable(op, q, k_cache, v_cache, *metadata, *([kv_scale] if fp8 else []))
     return launch_attention(
-        q,
-        k_cache,
-        v_cache,
-        cu_seqlens_q,
-        seq_lens,
-        block_tables,
-        scale,
-        max_seqlen_q,
-        True,
-        out=out,
+        q, k_cache, v_cache, *metadata, scale, max_seqlen_q, True, out=out, kv_scale=kv_scale
     )
 
 
@@ -325,11 +331,18 @@ def causal_attention_ref(
     return torch.einsum("hqk,khd->qhd", probs, vf).to(q.dtype)
 
 
-def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len tokens of one sequence's K or V: [seq_len, Hk, D] from [NB, BS, Hk, D]."""
+def gather_kv_ref(
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The first seq_len tokens of one sequence's K or V: [seq_len, Hk, D] from [NB, BS, Hk, D];
+    with scale (FP8 caches) dequantized to float32, float(x) * scale."""
     num_blocks = -(-seq_len // cache.shape[1])
     blocks = cache[block_table[:num_blocks].long()]  # [nb, BS, Hk, D]
-    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+    out = blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+    return out if scale is None else dequantize_fp8_ref(out, scale)
 
 
 def paged_attention_ref(
@@ -342,9 +355,12 @@ def paged_attention_ref(
     scale: float,
     max_seqlen_q: int,
     out: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference of paged_attention: per sequence, gather K/V through the block table;
-    writes into out when given."""
+    """Torch reference of paged_attention: per sequence, gather K/V through the block table
+    (dequantized to float32 from FP8 caches); writes into out when given."""
+    fp8 = check_kv_cache_dtype("paged_attention", q.dtype, k_cache, v_cache, kv_scale)
+    k_scale, v_scale = (kv_scale[0], kv_scale[1]) if fp8 else (None, None)
     if out is None:
         out = torch.empty_like(q)
     else:
@@ -354,8 +370,8 @@ def paged_attention_ref(
         start, end = offsets[b], offsets[b + 1]
         if end == start:
             continue
-        k = gather_kv_ref(k_cache, block_tables[b], seq_len)
-        v = gather_kv_ref(v_cache, block_tables[b], seq_len)
+        k = gather_kv_ref(k_cache, block_tables[b], seq_len, k_scale)
+        v = gather_kv_ref(v_cache, block_tables[b], seq_len, v_scale)
         out[start:end] = causal_attention_ref(q[start:end], k, v, scale)
     return out
 

@@ -62,10 +62,12 @@ from batchgen.models.presets import PRESET_NAMES
 )
 @click.option(
     "--quantization",
-    type=click.Choice(["gptq"]),
+    type=click.Choice(["fp8", "gptq"]),
     default=None,
-    help="gptq: the preset's projections as random 4-bit GPTQ tensors (built on the device, "
-    "converted as a checkpoint's are); a 4-bit checkpoint (--model) is detected without it.",
+    help="fp8: the decoder's projections in FP8 e4m3 (online, per-channel weights, per-token "
+    "activations); an FP8 checkpoint (--model) is detected without it. gptq: a preset's "
+    "projections as random 4-bit GPTQ tensors (built on the device, converted as a "
+    "checkpoint's are); a 4-bit checkpoint (--model) is detected without it.",
 )
 @click.option(
     "--int4-group-size",
@@ -76,6 +78,20 @@ from batchgen.models.presets import PRESET_NAMES
 )
 @click.option(
     "--int4-act-order", is_flag=True, help="With --quantization gptq: desc_act (a random g_idx)."
+)
+@click.option(
+    "--kv-cache-dtype",
+    type=click.Choice(["auto", "fp8"]),
+    default="auto",
+    show_default=True,
+    help="fp8: an e4m3 KV cache (half the bytes of bf16); the roofline counts its bytes.",
+)
+@click.option(
+    "--calibrate-kv-scales",
+    type=int,
+    default=0,
+    show_default=True,
+    help="With --kv-cache-dtype fp8: K/V scales from the first N prompts (the warm-up's).",
 )
 @click.option("--enforce-eager", is_flag=True, help="Never use CUDA graphs.")
 @click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
@@ -167,6 +183,9 @@ def bench(**kw) -> None:
         engine = EngineConfig(
             model=kw["model_path"] or "<random preset>",
             dtype=kw["dtype"],
+            quantization="fp8" if kw["quantization"] == "fp8" else None,  # gptq: BenchOptions
+            kv_cache_dtype=kw["kv_cache_dtype"],
+            calibrate_kv_scales=kw["calibrate_kv_scales"],
             device=kw["device"],
             enforce_eager=kw["enforce_eager"],
             enable_prefix_caching=not kw["no_prefix_caching"],
@@ -180,24 +199,27 @@ def bench(**kw) -> None:
         )
     except ConfigError as e:
         raise click.BadParameter(str(e)) from None
-    if kw["quantization"] and kw["model_path"] is not None:
+    if kw["peer"] and kw["quantization"]:
         raise click.BadParameter(
-            "a checkpoint's quantization is read from its config.json; --quantization builds a "
-            "random preset",
+            "--peer hf runs transformers on 16-bit weights; run it without --quantization"
+        )
+    gptq = kw["quantization"] == "gptq"
+    if gptq and kw["model_path"] is not None:
+        raise click.BadParameter(
+            "a checkpoint's 4-bit format is read from its config.json; --quantization gptq "
+            "builds a random preset",
             param_hint="--quantization",
         )
-    if kw["quantization"] and kw["peer"]:
-        raise click.BadParameter("--peer hf runs 16-bit weights; run it without --quantization")
     group = kw["int4_group_size"]
     if group != -1 and (group <= 0 or group % 32):
         raise click.BadParameter("-1 or a positive multiple of 32", param_hint="--int4-group-size")
-    if kw["quantization"] and kw["int4_act_order"] and kw["tensor_parallel_size"] > 1:
+    if gptq and kw["int4_act_order"] and kw["tensor_parallel_size"] > 1:
         raise click.BadParameter(
             "act order cannot be split across tensor-parallel ranks (a checkpoint's is refused "
             "too); run it with --tensor-parallel-size 1",
             param_hint="--int4-act-order",
         )
-    if kw["quantization"] and kw["model_path"] is None:
+    if gptq:
         from batchgen.bench.random_model import preset_config
         from batchgen.models.config import ModelConfig
 
@@ -226,7 +248,10 @@ def bench(**kw) -> None:
         int4_act_order=kw["int4_act_order"],
         structured_schema=kw["structured_schema"],
     )
-    report = run_bench(opts, log=lambda m: click.echo(m, err=True))
+    try:
+        report = run_bench(opts, log=lambda m: click.echo(m, err=True))
+    except ModelLoadError as e:  # a checkpoint, or a preset with an option it cannot take
+        raise click.UsageError(str(e)) from None
     if kw["json_out"]:
         write_json(kw["json_out"], report)
         click.echo(f"wrote {kw['json_out']}", err=True)

@@ -18,6 +18,7 @@ from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.model_runner import ModelRunner, resolve_device
 from batchgen.models.config import ModelConfig
 from batchgen.models.loader import resolve_dtype
+from batchgen.models.quantization import load_plan
 from batchgen.models.tokenizer import Tokenizer
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
@@ -51,27 +52,34 @@ def build_bench(
     max_model_len: int,
     int4: tuple[int, bool] | None = None,
 ) -> Bench:
-    """Load `model_path`, or build `preset` with random weights directly on the device; with
-    int4 = (group size, act order), its projections as random 4-bit GPTQ tensors."""
+    """Load `model_path`, or build `preset` with random weights directly on the device (then
+    quantized to FP8 with config.quantization fp8; with int4 = (group size, act order), its
+    projections as random 4-bit GPTQ tensors).
+
+    Raises:
+        ModelLoadError: the preset cannot take config.quantization (before anything is built).
+    """
     if model_path is not None:
         engine = LLMEngine(replace(config, model=model_path, max_model_len=max_model_len))
         return Bench(engine.config, engine.runner, None, model_path)
     device = resolve_device(config.device)
     raw = preset_config(preset)
     mc = ModelConfig.from_dict(raw, source=f"preset {preset}")
+    plan = load_plan(mc, config.quantization, f"--model-preset {preset}")  # refusals first
     dtype = resolve_dtype(config.dtype, mc, device)
     config = replace(config, model=PRESET_MODEL, max_model_len=max_model_len)
     if config.tensor_parallel_size > 1:  # every rank builds its share on its own GPU
         build = (
             RandomInt4Preset(preset, dtype, config.seed, *int4)
             if int4 is not None
-            else RandomPreset(preset, dtype, config.seed)
+            else RandomPreset(preset, dtype, config.seed, config.quantization)
         )
         return Bench(config, ModelRunner(config, mc, max_model_len, build=build), raw, None)
     if int4 is not None:
         model, raw = build_random_int4_model(preset, dtype, device, config.seed, *int4)
     else:
         model, raw = build_random_model(preset, dtype, device, seed=config.seed)
+        plan.finish(model)  # online FP8 of the random weights with quantization fp8
     runner = ModelRunner.from_model(config, model, max_model_len)
     return Bench(config, runner, raw, None)
 

@@ -14,6 +14,7 @@ from batchgen.layers.int4_linear import Int4Linear
 from batchgen.models.config import ModelConfig
 from batchgen.models.loader import build_model
 from batchgen.models.presets import BENCH_PRESETS, PRESET_NAMES, TINY_PRESETS
+from batchgen.models.quantization import load_plan
 
 # The `tiny` / `tiny-moe` presets: tiny shapes with a small vocabulary, for CPU smoke runs.
 TINY_VOCAB = 512
@@ -72,9 +73,12 @@ class RandomPreset:
     preset: str
     dtype: torch.dtype
     seed: int = 0
+    quantization: str | None = None  # "fp8": each rank quantizes its share online
 
     def __call__(self, device: torch.device, tp: TensorParallel | None = None) -> nn.Module:
-        return build_random_model(self.preset, self.dtype, device, self.seed, tp)[0]
+        model = build_random_model(self.preset, self.dtype, device, self.seed, tp)[0]
+        load_plan(model.config, self.quantization, f"preset {self.preset}").finish(model)
+        return model
 
 
 def parameter_bytes(model: nn.Module) -> int:

@@ -1,14 +1,16 @@
 """Roofline of a workload: the decode bytes model and the prefill FLOPs model of the
 benchmark spec (examples/benchmarks/README.md).
 
-Both are ideal times on the measured ceilings, for bf16 KV with all requests resident:
+Both are ideal times on the measured ceilings, with all requests resident:
 
 - decode (bytes): decode steps t = 1 .. max(max_tokens) run in lock-step; each reads every
   weight once (all parameter bytes, a tied embedding once) plus the KV of every sequence still
   generating, of context prompt_i + t - 1 tokens:
       T_decode = (max_i m_i * W + kv_bytes_per_token * sum_i (m_i p_i + m_i (m_i - 1) / 2)) / BW
-  (kv_bytes_per_token = 2 x layers x kv_heads x head_dim x 2). This reproduces the `nano` limits
-  of examples/benchmarks/README.md (about 26,600 output tok/s for qwen3-0.6b at 3.0 TB/s).
+  (kv_bytes_per_token = 2 x layers x kv_heads x head_dim x the KV dtype's bytes: 2 for bf16, 1
+  for an FP8 cache; W counts each weight in its stored dtype, FP8 weights 1 byte plus their
+  scales). This reproduces the `nano` limits of examples/benchmarks/README.md (about 26,600
+  output tok/s for qwen3-0.6b at 3.0 TB/s in bf16).
 - FLOPs: every token the ideal engine runs costs 2 x non-embedding params plus attention
   4 x layers x heads x head_dim x position. Prefill runs each prompt once, minus the prefix an
   earlier request shares; scoring runs each candidate after its prompt; decode runs m_i - 1

@@ -120,7 +120,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         mc,
         non_embedding_params(model),
         parameter_bytes(model),
-        bench.runner.dtype.itemsize,
+        bench.runner.kv_dtype.itemsize,
         model.part.num_heads,
         model.part.num_kv_heads,
     )
@@ -185,6 +185,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
             "architecture": mc.architecture,
             "weights": "checkpoint" if opts.model_path else "random normal(0, 0.02), norms 1",
             "dtype": str(bench.runner.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(bench.runner.kv_dtype).removeprefix("torch."),
             "parameters": weight_count(bench.runner.model),
             "non_embedding_parameters": shape.non_embedding_params,
             "weight_bytes": shape.weight_bytes,

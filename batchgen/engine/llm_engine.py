@@ -102,6 +102,43 @@ class LLMEngine:
         # dropped mid-run gives its hold back when it is collected.
         self._heap = HeapFreeze()
         weakref.finalize(self, self._heap.release)
+        # calibrate_kv_scales: the first N prompts received, until the first step uses them.
+        self._calibration: list[list[int]] | None = [] if config.calibrate_kv_scales else None
+
+    # ---- FP8 KV-cache scales -------------------------------------------------------------
+    def kv_scales(self) -> list[tuple[float, float]]:
+        """Each layer's (k_scale, v_scale): what an FP8 KV cache stores K and V divided by."""
+        return self.runner.kv_scales.get()
+
+    def set_kv_scales(self, scales: list[tuple[float, float]]) -> None:
+        """Set each layer's (k_scale, v_scale) before the engine's first step (e.g. the ones a
+        calibration stored); raises ValueError for a wrong count or a value not > 0."""
+        self._check_idle("set_kv_scales")
+        self.runner.kv_scales.set(scales)
+        self._calibration = None
+
+    def calibrate_kv_scales(self, prompts: list[list[int]]) -> list[tuple[float, float]]:
+        """Set each layer's K/V scales from max |k|, |v| over `prompts` (token ids) and return
+        them (engine/kv_scales.py). Call before the engine's first step."""
+        self._check_idle("calibrate_kv_scales")
+        self._calibration = None
+        return self.runner.kv_scales.calibrate(
+            prompts, self.max_model_len, self.config.max_num_batched_tokens
+        )
+
+    def _check_idle(self, what: str) -> None:
+        if getattr(self.runner, "tp", None) is not None:
+            raise RuntimeError(
+                f"{what}: not supported with tensor parallel yet (every rank would need the "
+                "scales); the checkpoint's K/V scales, or 1.0, are used"
+            )
+        # Blocks already in the cache (and the prefix cache) hold K/V quantized with the old
+        # scales: scales change only on an engine that has not run a step.
+        if self.stats.num_steps or self._inflight is not None:
+            raise RuntimeError(
+                f"{what}: this engine has run steps whose cached K/V used the old scales; set "
+                "the scales on a fresh engine, before its first step"
+            )
 
     def shutdown(self) -> None:
         """Release the engine's other processes now (tensor parallel: stop the worker ranks,
@@ -191,6 +228,7 @@ class LLMEngine:
                 self._reject(request.request_id, request.prompt_token_ids, *error)
                 return
         self._track(request, len(request.prompt_token_ids) * len(request.seqs))
+        self._sample_for_calibration(request.prompt_token_ids)
 
     def _structured(self) -> StructuredOutputs:
         """The structured-output state, built on first use from the engine's tokenizer."""
@@ -273,6 +311,8 @@ class LLMEngine:
                 error = tuple(add_error)
             request.score_errors[i] = (error[0], f"candidate {i}: {error[1]}")
         self._track(request, sum(s.num_tokens for s in request.seqs))
+        if request.seqs:
+            self._sample_for_calibration(ids)
         if not request.seqs:
             self._ready.append(request.output(self._decode))
             del self._requests[request_id]
@@ -305,6 +345,13 @@ class LLMEngine:
     def _reject(self, request_id: str, ids: list[int], code: str, message: str) -> None:
         self.stats.num_errors += 1
         self._ready.append(RequestOutput.failed(request_id, ids, code, message))
+
+    def _sample_for_calibration(self, ids: list[int]) -> None:
+        if (
+            self._calibration is not None
+            and len(self._calibration) < self.config.calibrate_kv_scales
+        ):
+            self._calibration.append(ids)
 
     def _track(self, request: Request, num_tokens: int) -> None:
         self._requests[request.request_id] = request
@@ -342,6 +389,8 @@ class LLMEngine:
         """
         self._admit_compiled()
         finished_outputs, self._ready = self._ready, []
+        if self._calibration and self.scheduler.has_unfinished():
+            self.calibrate_kv_scales(self._calibration)  # before anything reads the cache
         if not self.scheduler.has_unfinished():
             if self._inflight is not None:
                 finished_outputs += self._resolve(self._pop_inflight())

@@ -26,6 +26,7 @@ from batchgen.engine.cuda_graph import smallest_bucket
 from batchgen.engine.graph_capture import capture_graphs
 from batchgen.engine.host_to_device import PinnedStager
 from batchgen.engine.kv_cache_size import kv_block_bytes, num_kv_blocks
+from batchgen.engine.kv_scales import KVScales
 from batchgen.engine.prompt_allowance import auto_chunk_tokens
 from batchgen.engine.rank_guard import RankGuard
 from batchgen.engine.request_checks import check_cache_size
@@ -40,6 +41,7 @@ from batchgen.engine.tensor_parallel import (
     start_tensor_parallel,
 )
 from batchgen.kernels import ops
+from batchgen.kernels.fp8 import FP8_DTYPE
 from batchgen.layers import linear
 from batchgen.layers.context import AttentionContext
 from batchgen.layers.int4_linear import weight_count
@@ -89,7 +91,9 @@ class ModelRunner:
         self.model_config = model_config
         self.tp, self.peers = tp, peers
         self.device = tp.device if tp is not None else resolve_device(config.device)
-        build = build or CheckpointLoader(config.model, config.dtype, config.allow_pickle)
+        build = build or CheckpointLoader(
+            config.model, config.dtype, config.allow_pickle, config.quantization
+        )
         if tp is None and config.tensor_parallel_size > 1:  # rank 0 starts the others
             self.device = rank_device(self.device, 0)
             self.tp, self.peers = start_tensor_parallel(
@@ -161,6 +165,8 @@ class ModelRunner:
 
     def _init(self, max_model_len: int) -> None:
         self.dtype = next(self.model.parameters()).dtype
+        self.kv_dtype = FP8_DTYPE if self.config.kv_cache_dtype == "fp8" else self.dtype
+        self.kv_scales = KVScales(self.model)
         if self.device.type == "cpu":
             # torch's pool defaults to every CPU of the affinity mask, ignoring Slurm's
             # allocation and the cgroup quota (batchgen/cpu_threads.py says why that matters).
@@ -196,7 +202,7 @@ class ModelRunner:
         c = self.model_config
         self.num_kv_heads = self.model.part.num_kv_heads  # this rank's (all without tp)
         block_bytes = kv_block_bytes(
-            c.num_hidden_layers, self.num_kv_heads, c.head_dim, self.block_size, self.dtype
+            c.num_hidden_layers, self.num_kv_heads, c.head_dim, self.block_size, self.kv_dtype
         )
         with self.guard.phase("memory profile"):  # a forward with collectives (GPU)
             blocks = num_kv_blocks(self.model, self.config, max_model_len, self.device, block_bytes)
@@ -212,7 +218,7 @@ class ModelRunner:
             self.block_size,
             self.num_kv_heads,
             c.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
         self.kv_caches = [

@@ -25,6 +25,7 @@ from batchgen.distributed.workers import MONITOR_INTERVAL_S, WorkerPool
 from batchgen.models.checkpoint_check import check_checkpoint
 from batchgen.models.config import ModelConfig
 from batchgen.models.loader import CheckpointLoader
+from batchgen.models.quantization import load_plan
 
 WORKER_MODULE = "batchgen.engine.tp_worker"
 
@@ -60,9 +61,12 @@ def check_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> No
 
     Raises:
         ConfigError: naming the option and the model's size at fault.
+        ModelLoadError: FP8 weights the split or the model cannot take (quantization/).
     """
     size = config.tensor_parallel_size
     check_divides(model_config, size)
+    if size > 1:  # the quantization refusals (MoE, weight blocks a rank would cut) come first
+        load_plan(model_config, config.quantization, f"{config.model}/config.json", size)
     if size > 1 and config.device != "cpu" and torch.cuda.is_available():
         index = int(config.device.split(":")[1]) if ":" in config.device else 0
         check_gpu_count(size, index, torch.cuda.device_count())

@@ -24,12 +24,15 @@ JOB_FILE = "_job.json"
 MANIFEST_DIR = "_manifest"
 SUCCESS_FILE = "_SUCCESS"
 STATS_FILE = "_stats.json"
+KV_SCALES_FILE = (
+    "_kv_scales.json"  # FP8 K/V-cache scales a job calibrated (pipeline/kv_scales_file)
+)
 # The exact names batchgen writes: shard files, their manifest entries, and the temp files of
 # either (atomic.temp_path: "." + name + ".tmp-<pid>-<hex>"). Nothing else is ever deleted.
 _SHARD = re.compile(r"^part-(\d{5})\.(parquet|jsonl)$")
 _ENTRY = re.compile(r"^part-(\d{5})\.json$")
 _TEMP = re.compile(
-    r"^\.(part-(\d{5})\.(parquet|jsonl|json)|_job\.json|_stats\.json|_SUCCESS)"
+    r"^\.(part-(\d{5})\.(parquet|jsonl|json)|_job\.json|_stats\.json|_kv_scales\.json|_SUCCESS)"
     + re.escape(atomic.TMP_MARK)
     + r"(?P<pid>\d+)-(?P<token>[0-9a-f]+)$"
 )
@@ -177,7 +180,7 @@ def remove_stray_temps(out_dir: str, owns, now: float | None = None) -> list[str
 def _written_by_batchgen(name: str) -> bool:
     """A file name batchgen writes in the output directory: a shard, a shared file, or a
     temp of either."""
-    return name in (JOB_FILE, SUCCESS_FILE, STATS_FILE) or bool(
+    return name in (JOB_FILE, SUCCESS_FILE, STATS_FILE, KV_SCALES_FILE) or bool(
         _SHARD.match(name) or _TEMP.match(name)
     )
 

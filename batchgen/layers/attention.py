@@ -1,5 +1,6 @@
 """Attention of a layer: over the paged KV cache (attend; the model has stored this step's K/V with
-ops.rope_and_store_kv), or cache-free over the new tokens alone (forward)."""
+ops.rope_and_store_kv), or cache-free over the new tokens alone (forward). An FP8 cache is read
+and written with the layer's K/V scales (`kv_scale`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from torch import nn
 
 from batchgen.kernels import ops
+from batchgen.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from batchgen.layers.context import AttentionContext
 
 # On CUDA, a mixed step's prompt-chunk attention runs on a side stream beside the decode rows'
@@ -26,7 +28,14 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class Attention(nn.Module):
-    """Causal GQA attention for one layer; the cache itself lives in ctx.kv_caches[layer_idx]."""
+    """Causal GQA attention for one layer; the cache itself lives in ctx.kv_caches[layer_idx].
+
+    kv_scale: [2] float32 (k_scale, v_scale), the dequantization scales of this layer's K and V
+    in an FP8 cache (cache = round(k / k_scale)); 1.0 until a checkpoint's scales or a
+    calibration set them. Kernels read it from device memory, so a change needs no new CUDA
+    graph. kv_amax: while observing (observe_kv_range), the running max |k| and |v| [2] of the
+    cache-free forwards.
+    """
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -35,6 +44,24 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        self.register_buffer("kv_scale", torch.ones(2, dtype=torch.float32), persistent=False)
+        self.kv_amax: torch.Tensor | None = None
+
+    def cache_scale(self, cache: torch.Tensor) -> torch.Tensor | None:
+        """kv_scale for an FP8 cache, None for a cache in the activations' dtype."""
+        return self.kv_scale if cache.dtype == FP8_DTYPE else None
+
+    def observe_kv_range(self, on: bool) -> None:
+        """Start (zeroed) or stop recording max |k|, |v| in forward (KV-scale calibration)."""
+        self.kv_amax = (
+            torch.zeros(2, dtype=torch.float32, device=self.kv_scale.device) if on else None
+        )
+
+    def scales_from_range(self) -> torch.Tensor:
+        """[2] float32 scales that map the observed max |k|, |v| to e4m3's largest value (1.0
+        where nothing above 0 was seen)."""
+        amax = self.kv_amax if self.kv_amax is not None else torch.zeros(2)
+        return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).float()
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext
@@ -44,6 +71,9 @@ class Attention(nn.Module):
         k/v through ops.rope_and_store_kv and calls attend()."""
         if ctx.kv_caches is not None:
             raise ValueError("Attention.forward is the cache-free path; with a cache use attend()")
+        if self.kv_amax is not None:
+            seen = torch.stack([k.abs().amax().float(), v.abs().amax().float()])
+            torch.maximum(self.kv_amax, seen, out=self.kv_amax)
         return ops.varlen_attention(q, k, v, ctx.cu_seqlens_q, ctx.max_seqlen_q, self.scale)
 
     def attend(self, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -103,6 +133,7 @@ class Attention(nn.Module):
             self.scale,
             max_seq_len=ctx.max_seqlen_k,
             out=out,
+            kv_scale=self.cache_scale(k_cache),
         )
 
     def _prefill(self, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, ctx, out=None):
@@ -116,4 +147,5 @@ class Attention(nn.Module):
             self.scale,
             ctx.max_seqlen_q,
             out=out,
+            kv_scale=self.cache_scale(k_cache),
         )

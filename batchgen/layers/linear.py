@@ -1,8 +1,9 @@
 """The models' projections: y = x @ W^T (`linear`; `linear_out_` into a given tensor) and
 residual += x @ W^T (`add_linear_`), through a cuBLASLt algorithm registered for the exact shape
 (batchgen.layers.gemm_tuning registers the ones that beat cuBLAS), else through torch (F.linear /
-addmm / mm: cuBLAS's own pick; always on CPU).
-A 4-bit weight (its packed int32 tensor, batchgen.layers.int4_linear) runs its layer's product.
+addmm / mm: cuBLAS's own pick; always on CPU). An FP8 weight (batchgen.layers.fp8_linear) runs
+its layer's FP8 product instead, a 4-bit one (its packed int32 tensor,
+batchgen.layers.int4_linear) its layer's 4-bit product.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from batchgen.kernels.fp8 import FP8_DTYPE
+from batchgen.layers.fp8_linear import fp8_linear
 from batchgen.layers.int4_linear import int4_linear
 
 # (rows, N, K, weight K-major, accumulate, x row stride, dtype, device index) -> (product, algo)
@@ -50,6 +53,8 @@ def _tuned(x: torch.Tensor, weight: torch.Tensor, accumulate: bool):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N]."""
+    if weight.dtype == FP8_DTYPE:
+        return fp8_linear(x, weight.fp8_layer, bias)
     if weight.dtype == torch.int32:
         return int4_linear(x, weight.int4_layer, bias)
     entry = _tuned(x, weight, False) if bias is None else None
@@ -62,6 +67,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def add_linear_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """residual [M, N] += x [M, K] @ weight [N, K]^T in place (the GEMM's beta = 1); returns
     residual."""
+    if weight.dtype == FP8_DTYPE:
+        return residual.add_(fp8_linear(x, weight.fp8_layer))
     if weight.dtype == torch.int32:
         return int4_linear(x, weight.int4_layer, residual=residual)
     ok = residual.is_contiguous() and residual.dtype == x.dtype
@@ -75,6 +82,8 @@ def add_linear_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -
 def linear_out_(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """out [M, N] = x [M, K] @ weight [N, K]^T, written into out (the GEMM's beta = 0: out's
     old values are never read); returns out."""
+    if weight.dtype == FP8_DTYPE:
+        return out.copy_(fp8_linear(x, weight.fp8_layer))
     if weight.dtype == torch.int32:
         return int4_linear(x, weight.int4_layer, out=out)
     ok = out.is_contiguous() and out.dtype == x.dtype

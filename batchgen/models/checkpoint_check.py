@@ -6,23 +6,29 @@ the layers, another hidden size) is refused in milliseconds with the file, tenso
 keys named, instead of after allocating the model it describes. Pickle checkpoints have no
 header to read: only their config's bounds are checked here; the loader checks the shapes.
 A checkpoint with a 4-bit quantization_config (batchgen/models/int4) has its format's tensors
-checked in place of the 16-bit weights of the modules it quantizes; any other
-quantization_config is refused by name.
+checked in place of the 16-bit weights of the modules it quantizes; one with another (FP8)
+quantization_config may hold e4m3 weights and their scale tensors (batchgen.models.quantization
+says which it runs).
 """
 
 from __future__ import annotations
 
 import os
 
-from batchgen.models.config import ModelConfig, read_json_object
+from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
 from batchgen.models.int4.checkpoint import Int4Checkpoint, read_int4_checkpoint
+from batchgen.models.int4.scheme import is_int4_config
 from batchgen.models.int4.tp_slices import check_split
 from batchgen.models.moe_config import expert_tensor_shapes
+from batchgen.models.quantization.kv_scales import kv_scale_slot
 from batchgen.models.safetensors_header import TensorInfo, read_header
 from batchgen.models.weight_files import find_weight_files
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # what the loader copies into the model
+FP8_DTYPE = "F8_E4M3"  # FP8 checkpoints' weights (batchgen.models.quantization checks which)
+# Tensors an FP8 checkpoint adds beside its weights (their shapes: the quantization plan's).
+QUANTIZATION_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
 _SHOWN = 6  # names listed in a message before "..."
 
 
@@ -100,15 +106,16 @@ def check_checkpoint(
         quantization_config, else None.
     """
     source = os.path.join(path, "config.json")
-    qc = read_json_object(source).get("quantization_config")
+    qc = config.quantization_config
+    int4 = qc is not None and is_int4_config(qc)
     tensors = checkpoint_headers(path, allow_pickle)
     if tensors is None:
-        if qc is not None:
-            raise ModelLoadError(f"{path}: quantized checkpoints load from safetensors files only")
+        if int4:
+            raise ModelLoadError(f"{path}: 4-bit checkpoints load from safetensors files only")
         return None
     expected = expected_shapes(config)
     quant = None
-    if qc is not None:
+    if int4:
         if config.moe is not None:
             raise ModelLoadError(
                 f"{source}: quantized mixture-of-experts checkpoints are not supported yet "
@@ -121,6 +128,7 @@ def check_checkpoint(
             raise ModelLoadError(str(e)) from None
         for module in quant.modules:
             del expected[module + ".weight"]
+    quantized = qc is not None and not int4  # FP8: e4m3 weights beside their scales
     for name, (shape, keys) in expected.items():
         info = tensors.get(name)
         if info is None:
@@ -131,10 +139,11 @@ def check_checkpoint(
                 f"{info.file}: tensor {name!r} has shape {info.shape}, but {source} "
                 f"({values}) makes it {shape}; the config and weights do not belong together"
             )
-        if info.dtype not in FLOAT_DTYPES:
+        if info.dtype not in FLOAT_DTYPES and not (quantized and info.dtype == FP8_DTYPE):
             raise ModelLoadError(
                 f"{info.file}: tensor {name!r} has dtype {info.dtype}; batchgen loads "
-                "float16, bfloat16 or float32 weights (quantized checkpoints are not supported)"
+                "float16, bfloat16 or float32 weights, and FP8 ones of checkpoints whose "
+                "config.json has a quantization_config"
             )
     missing = [n for n in expected if n not in tensors]
     if missing:
@@ -152,6 +161,8 @@ def check_checkpoint(
         and n not in known
         and n != tied_copy
         and not n.endswith("rotary_emb.inv_freq")
+        and kv_scale_slot(n) is None  # K/V-cache scales (an FP8 KV cache's)
+        and not (quantized and n.endswith(QUANTIZATION_SUFFIXES))
     ]
     if unused:
         raise ModelLoadError(

@@ -39,6 +39,8 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default=())
     moe: MoeConfig | None = None  # routed experts (Qwen3-MoE, Mixtral); None for dense models
+    # config.json's quantization_config as written (batchgen/models/quantization reads it).
+    quantization_config: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
     @classmethod
     def from_dir(cls, path: str) -> ModelConfig:
@@ -143,7 +145,15 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos,
             moe=moe_config(raw, arch, size("num_hidden_layers"), source, size),
+            quantization_config=_quantization_config(raw, source),
         )
+
+
+def _quantization_config(raw: dict[str, Any], source: str) -> dict[str, Any] | None:
+    value = raw.get("quantization_config")
+    if value is not None and not isinstance(value, dict):
+        raise ModelLoadError(f"{source}: quantization_config must be a mapping, got {value!r}")
+    return value
 
 
 # Architectures whose attention_bias also puts a bias on o_proj.

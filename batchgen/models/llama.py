@@ -89,6 +89,7 @@ class LlamaAttention(nn.Module):
                 k_cache, v_cache, ctx.slot_mapping, *norms,
                 self.q_norm.eps if self.qk_norm else 1e-6,
                 rms_rows=hidden if folded else None, rms_eps=rms_eps if folded else 1e-6,
+                kv_scale=self.attn.cache_scale(k_cache),
             )  # fmt: skip
             out = self.attn.attend(q, ctx)  # [T, Hq, D]
         out = out.reshape(num_tokens, self.q_size)
@@ -285,13 +286,18 @@ class LlamaForCausalLM(nn.Module):
         return self.model.layers[0].norms_folded if len(self.model.layers) else False
 
     def can_fold_norms(self) -> bool:
-        """Folding needs bias-free, 16-bit qkv and gate_up projections: a bias is added after
-        the row scale, which would scale it too."""
-        folded = [p for layer in self.model.layers
-                  for p in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)]  # fmt: skip
-        if any(not p.weight.is_floating_point() for p in folded):
-            return False  # 4-bit weights: a norm weight does not fold into group scales
-        return not (self.config.qkv_bias or self.config.mlp_bias)
+        """Folding needs bias-free qkv and gate_up projections (a bias is added after the
+        row scale, which would scale it too) with 16-bit weights (an FP8 weight times the norm
+        weight would need quantizing again; a norm weight does not fold into 4-bit group
+        scales)."""
+        if not self.model.layers or self.config.qkv_bias or self.config.mlp_bias:
+            return False
+        # A checkpoint may quantize some projections only (its ignore list): check each.
+        return all(
+            plain_weight(layer.self_attn.qkv_proj.weight)
+            and plain_weight(layer.mlp.gate_up_proj.weight)
+            for layer in self.model.layers
+        )
 
     @torch.no_grad()
     def fold_norms_(self) -> bool:
@@ -343,21 +349,21 @@ class LlamaForCausalLM(nn.Module):
             if leaf == "lm_head" and self.config.tie_word_embeddings:
                 continue
             weight = module.weight
-            if not weight.is_floating_point():
-                continue  # a 4-bit layer's packed weight keeps its layout
+            if not plain_weight(weight):
+                continue  # FP8: the GEMM takes the TN layout only; 4-bit: its packed layout
             if weight.dim() == 2 and weight.stride(0) != 1:  # not K-major yet
                 weight.data = weight.data.t().contiguous().t()  # [N, K] with strides (1, N)
 
     def projection_groups(self) -> list[tuple[list[torch.Tensor], bool]]:
         """The decoder's projections for layers.linear.tune_projections: per projection, its
         weight in every layer and whether the model adds it into the residual stream (o and
-        down with folded norms). Projections with a bias or 4-bit weights are left out."""
+        down with folded norms). Projections with a bias, FP8 or 4-bit weights are left out."""
         groups = []
         for attr, path in (("qkv_proj", "self_attn"), ("o_proj", "self_attn"),
                            ("gate_up_proj", "mlp"), ("down_proj", "mlp")):  # fmt: skip
             mods = [getattr(getattr(layer, path), attr) for layer in self.model.layers]
-            if any(m.bias is not None or not m.weight.is_floating_point() for m in mods):
-                continue  # torch runs biased projections; 4-bit ones run their own kernels
+            if any(m.bias is not None or not plain_weight(m.weight) for m in mods):
+                continue  # torch runs biased projections; FP8 / 4-bit ones their own kernels
             # Folded, o / down add into the residual stream; on tensor-parallel ranks but the
             # first they overwrite their copy of it instead (_output_projection).
             first = self.tp is None or self.tp.rank == 0
@@ -378,6 +384,11 @@ class LlamaForCausalLM(nn.Module):
         if self.tp is None:
             return logits
         return self.tp.gather_columns(logits)
+
+
+def plain_weight(weight: torch.Tensor) -> bool:
+    """A 16- or 32-bit float weight: not FP8 (itemsize 1), not a 4-bit layer's packed int32."""
+    return weight.is_floating_point() and weight.itemsize >= 2
 
 
 # Hugging Face module -> the rows of its weight (dim 0) or columns (dim 1) a rank holds.

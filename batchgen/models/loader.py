@@ -11,8 +11,8 @@ from batchgen.distributed.group import TensorParallel
 from batchgen.models.checkpoint_check import check_checkpoint
 from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
-from batchgen.models.int4.materialize import materialize_
 from batchgen.models.int4.plan import Int4LoadPlan
+from batchgen.models.quantization import load_plan
 from batchgen.models.registry import model_class
 from batchgen.models.weight_files import find_weight_files
 from batchgen.models.weights import iter_tensors
@@ -56,31 +56,30 @@ def load_model(
     device: str | torch.device = "cpu",
     allow_pickle: bool = False,
     tp: TensorParallel | None = None,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Load config and weights of `path` onto `device`; with `tp`, this rank's share only,
-    read slice by slice from the safetensors files (model.tp_slice says which).
+    read slice by slice from the safetensors files (model.tp_slice says which). Quantized
+    checkpoints (and the `quantization` option) load through batchgen.models.quantization.
 
     Raises:
         ModelLoadError: naming the file or tensor at fault and what was expected.
     """
     config = ModelConfig.from_dir(path)
-    # The weights' headers against the config before the model it describes is allocated.
-    int4 = check_checkpoint(path, config, allow_pickle, tp.size if tp is not None else 1)
+    # A quantization_config (or option) batchgen cannot run is refused by name first; then the
+    # weights' headers are checked against the config before the model it describes is built.
+    size = tp.size if tp is not None else 1
+    plan = load_plan(config, quantization, f"{path}/config.json", size)
+    int4 = check_checkpoint(path, config, allow_pickle, size)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, config, device)
-    files = find_weight_files(path, allow_pickle)
-    if int4 is None:
-        model = build_model(config, dtype, device, tp)
-        load_weights(model, iter_tensors(files, model.tp_slice if tp is not None else None))
-        return model, config
-    # 4-bit projections: never allocated in 16 bits (built on meta, swapped, materialized).
-    plan = Int4LoadPlan(int4, device, dtype)
-    model = build_model(config, dtype, torch.device("meta"), tp)
+    if int4 is not None:  # 4-bit projections: built on meta, never allocated in 16 bits
+        plan = Int4LoadPlan(int4, device, dtype)
+    model = build_model(config, dtype, plan.build_device(device), tp)
     plan.prepare(model)
-    materialize_(model, device, config)
-    load_weights(
-        model, plan.tensors(iter_tensors(files, plan.tp_slice if tp is not None else None))
-    )
+    files = find_weight_files(path, allow_pickle)
+    select = plan.tp_select(model.tp_slice) if tp is not None else None
+    load_weights(model, plan.tensors(iter_tensors(files, select)))
     plan.finish(model)
     return model, config
 
@@ -93,9 +92,13 @@ class CheckpointLoader:
     path: str
     dtype: str = "auto"
     allow_pickle: bool = False
+    quantization: str | None = None
 
     def __call__(self, device: torch.device, tp: TensorParallel | None = None) -> nn.Module:
-        return load_model(self.path, self.dtype, device, self.allow_pickle, tp)[0]
+        model, _ = load_model(
+            self.path, self.dtype, device, self.allow_pickle, tp, self.quantization
+        )
+        return model
 
 
 def load_weights(model: nn.Module, tensors) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 
 from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
@@ -61,10 +62,20 @@ def make_model(
         **(overrides or {}),
     }
     tensors = _random_weights(config, seed)
+    write_model_dir(out_dir, config, tensors, tokenizer)
+
+
+def write_model_dir(
+    out_dir: str, config: dict, tensors: dict[str, torch.Tensor], tokenizer: Tokenizer
+) -> None:
+    """Write a Hugging Face model directory: config.json, model.safetensors, tokenizer.json,
+    tokenizer_config.json (the tiny models' chat template) and generation_config.json."""
+    os.makedirs(out_dir, exist_ok=True)
+    bos_id, eos_id = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    _write_json(os.path.join(out_dir, "config.json"), config)
-    _write_json(
+    write_json(os.path.join(out_dir, "config.json"), config)
+    write_json(
         os.path.join(out_dir, "tokenizer_config.json"),
         {
             "tokenizer_class": "PreTrainedTokenizerFast",
@@ -75,13 +86,13 @@ def make_model(
             "chat_template": CHAT_TEMPLATE,
         },
     )
-    _write_json(
+    write_json(
         os.path.join(out_dir, "generation_config.json"),
         {"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": False},
     )
 
 
-def _write_json(path: str, obj: dict) -> None:
+def write_json(path: str, obj: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")

@@ -1,8 +1,10 @@
-"""Train the byte-level BPE tokenizer of the tiny models on text this module writes itself."""
+"""Train the byte-level BPE tokenizer of the tiny models: on text this module writes itself (the
+random-weight models), or on the text a caller gives (the trained tiny model)."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -82,8 +84,11 @@ def corpus(num_sentences: int = 3000, seed: int = 0) -> list[str]:
     return lines
 
 
-def train_tokenizer(vocab_size: int = 512, seed: int = 0) -> Tokenizer:
-    """Byte-level BPE (every byte representable, so any UTF-8 text encodes) with BOS prepended."""
+def train_tokenizer(
+    vocab_size: int = 512, seed: int = 0, texts: Iterable[str] | None = None
+) -> Tokenizer:
+    """Byte-level BPE (every byte representable, so any UTF-8 text encodes) with BOS prepended,
+    trained on `texts` (default: `corpus(seed=seed)`)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -93,7 +98,7 @@ def train_tokenizer(vocab_size: int = 512, seed: int = 0) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(seed=seed), trainer=trainer)
+    tok.train_from_iterator(corpus(seed=seed) if texts is None else texts, trainer=trainer)
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]

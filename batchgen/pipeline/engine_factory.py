@@ -98,11 +98,14 @@ def model_limits(job: JobSpec) -> ModelLimits:
     from batchgen.models.checkpoint_check import check_checkpoint
     from batchgen.models.config import ModelConfig
     from batchgen.models.errors import ModelLoadError
+    from batchgen.models.quantization import load_plan
     from batchgen.models.weight_files import has_weight_files
 
     engine = job.model.engine_config()
     try:
         mc = ModelConfig.from_dir(job.model.path)
+        # A quantization_config batchgen cannot run fails here, before the weights load.
+        load_plan(mc, engine.quantization, f"{job.model.path}/config.json")
         if has_weight_files(job.model.path):  # (a 4-bit one must split over the ranks too)
             check_checkpoint(job.model.path, mc, engine.allow_pickle, engine.tensor_parallel_size)
     except ModelLoadError as e:
@@ -111,4 +114,6 @@ def model_limits(job: JobSpec) -> ModelLimits:
         check_tensor_parallel(engine, mc)
     except ConfigError as e:
         raise JobError(f"{job.source}: model.{e}") from None
+    except ModelLoadError as e:  # FP8 weight blocks the ranks would cut
+        raise JobError(f"model.path: {e}") from None
     return ModelLimits.of(mc.max_position_embeddings, mc.vocab_size, engine.max_model_len)

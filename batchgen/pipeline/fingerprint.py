@@ -32,6 +32,9 @@ MODEL_FILES = (
 # Hashing more than this (not yet cached) is announced: about a second per GB from disk.
 ANNOUNCE_BYTES = 1 << 30
 HASH_THREADS = 4  # files hashed at once
+# Engine options that change the numbers a model computes (other engine options, such as
+# max_num_seqs, only change speed): part of the model fingerprint when not at their defaults.
+NUMERIC_OPTIONS = {"kv_cache_dtype": "auto", "calibrate_kv_scales": 0, "quantization": None}
 
 
 def _h(obj) -> str:
@@ -77,6 +80,15 @@ def uncached_bytes(paths: list[str]) -> int:
     return sum(os.path.getsize(p) for p in paths if cached_digest(p) is None)
 
 
+def _model_part(job: JobSpec) -> dict:
+    part = {"content": model_fingerprint(job.model.path), "dtype": job.model.dtype}
+    options = dict(job.model.options)
+    numerics = {k: options[k] for k, d in NUMERIC_OPTIONS.items() if options.get(k, d) != d}
+    if numerics:  # absent otherwise, so jobs without them keep their fingerprints
+        part["numerics"] = numerics
+    return part
+
+
 def fingerprint_parts(
     job: JobSpec, files: list[str], log: Callable[[str], None] | None = None
 ) -> dict[str, str]:
@@ -91,7 +103,7 @@ def fingerprint_parts(
     spec = dataclasses.asdict(job.input)
     spec.pop("path")
     return {
-        "model": _h({"content": model_fingerprint(job.model.path), "dtype": job.model.dtype}),
+        "model": _h(_model_part(job)),
         "input": _h({"files": input_fingerprint(files), "spec": spec}),
         "prompt": _h(dataclasses.asdict(job.prompt)),
         "sampling": _h(dataclasses.asdict(job.sampling)),

@@ -17,6 +17,7 @@ from batchgen.io.rows import InputRow, ResultRow
 from batchgen.io.writer import ShardLayout, write_shard
 from batchgen.job import JobError, JobSpec
 from batchgen.pipeline import engine_factory as factory
+from batchgen.pipeline import kv_scales_file
 from batchgen.pipeline.fingerprint import fingerprint, fingerprint_parts
 from batchgen.pipeline.job_limits import check_job_limits
 from batchgen.pipeline.model_source import resolve_job_model
@@ -277,7 +278,45 @@ class Runner:
             self._plan = self.mode.planner(
                 self.renderer, self.tokenizer, self.engine.limits, structured_check=check
             )
+            self._set_kv_scales()
         return self._plan
+
+    def _set_kv_scales(self) -> None:
+        """model.calibrate_kv_scales N: the FP8 K/V scales of the job's first N input rows
+        (in input order, whatever this task's shards), calibrated once and kept in the output
+        directory; every task and resume loads them from there before anything runs."""
+        count = self.job.model.engine_config().calibrate_kv_scales
+        if not count:
+            return
+        scales = kv_scales_file.read(self.out_dir, self.fingerprint)
+        if scales is None:
+            sample = self._first_prompts(count)
+            self.log(f"calibrating FP8 K/V scales on the first {len(sample)} prompt(s) ...")
+            computed = self.engine.calibrate_kv_scales(sample)
+            record = {
+                "fingerprint": self.fingerprint,
+                "num_prompts": len(sample),
+                "num_tokens": sum(map(len, sample)),
+                "scales": [list(pair) for pair in computed],
+            }
+            kv_scales_file.write_if_absent(self.out_dir, record)
+            scales = kv_scales_file.read(self.out_dir, self.fingerprint)
+            if scales is None:
+                raise JobError(f"output.path: cannot read back {kv_scales_file.KV_SCALES_FILE}")
+        self.engine.set_kv_scales([tuple(pair) for pair in scales])
+
+    def _first_prompts(self, count: int) -> list[list[int]]:
+        """Prompt token ids of the first `count` input rows that plan into requests."""
+        planner = self.mode.planner(self.renderer, self.tokenizer, self.engine.limits)
+        prompts: list[tuple[int, list[int]]] = []
+        for chunk in self.mode.reader(self.files, self.columns, self.chunk_rows):
+            plan = planner.plan(chunk)
+            prompts += [(r.index, r.prompt_token_ids) for r in plan.requests]
+            if len(prompts) >= count:
+                break
+        if not prompts:
+            raise JobError("model.calibrate_kv_scales: no input row gives a prompt to calibrate on")
+        return [ids for _, ids in sorted(prompts, key=lambda p: p[0])[:count]]
 
     def _loop(self) -> bool:
         """Feed, step and commit until done (True) or stopped (False)."""

@@ -46,6 +46,31 @@ def test_nano_smoke_json_has_every_field(tmp_path):
     assert report["peer"] is None
 
 
+def test_fp8_kv_cache_smoke_counts_fp8_bytes(tmp_path):
+    args = ("--workload", "nano", "--num-prompts", "2")
+    plain = _run(tmp_path, *args)
+    fp8 = _run(tmp_path, *args, "--kv-cache-dtype", "fp8", "--calibrate-kv-scales", "1")
+    assert fp8["model"]["kv_cache_dtype"] == "float8_e4m3fn"
+    assert fp8["engine_config"]["kv_cache_dtype"] == "fp8"
+    # CPU runs float32: an FP8 cache is a quarter of its bytes per token, and four times the
+    # blocks fit the same cpu_kv_cache_gb.
+    assert fp8["model"]["kv_bytes_per_token"] * 4 == plain["model"]["kv_bytes_per_token"]
+    assert fp8["result"]["decode_gbytes"] < plain["result"]["decode_gbytes"]
+    assert fp8["result"]["output_tokens"] == plain["result"]["output_tokens"]
+
+
+def test_fp8_weights_smoke(tmp_path):
+    args = ("--workload", "nano", "--num-prompts", "2")
+    plain = _run(tmp_path, *args)
+    fp8 = _run(tmp_path, *args, "--quantization", "fp8", "--kv-cache-dtype", "fp8")
+    assert fp8["engine_config"]["quantization"] == "fp8"
+    # The projections' weights are 1 byte instead of 4 (CPU float32), plus a scale per row.
+    assert fp8["model"]["weight_bytes"] < plain["model"]["weight_bytes"] * 0.6
+    assert fp8["result"]["output_tokens"] == plain["result"]["output_tokens"]
+    result = CliRunner().invoke(bench, [*SMOKE, "--quantization", "fp8", "--peer", "hf"])
+    assert result.exit_code == 2 and "without --quantization" in result.output
+
+
 def test_moe_smoke_reports_the_experts_roofline(tmp_path):
     report = _run(
         tmp_path, "--workload", "nano", "--num-prompts", "4", "--model-preset", "tiny-moe"

@@ -13,6 +13,7 @@ from batchgen.kernels.decode_attention import (
     paged_attention_decode,
     paged_attention_decode_ref,
 )
+from batchgen.kernels.fp8 import FP8_DTYPE, quantize_fp8_ref
 from batchgen.kernels.paged_attention import paged_attention_ref
 
 DTYPES = [torch.float32, torch.float16]
@@ -171,3 +172,67 @@ def test_decode_rejects_bad_out(device):
         paged_attention_decode(*args, 0.1, out=torch.empty_like(q, dtype=torch.float16))
     with pytest.raises(ValueError, match="contiguous last dim"):
         paged_attention_decode(*args, 0.1, out=torch.empty(2, 4, 64, device=device)[..., ::2])
+
+
+def to_fp8(args, scales=(0.02, 0.05)):
+    """The case with its caches quantized to FP8, and the [2] kv_scale."""
+    q, k_cache, v_cache, seq_lens, block_tables = args
+    kv_scale = torch.tensor(scales, device=q.device)
+    k8, v8 = quantize_fp8_ref(k_cache, kv_scale[0]), quantize_fp8_ref(v_cache, kv_scale[1])
+    return (q, k8, v8, seq_lens, block_tables), kv_scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bs", [8, 16])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_decode_fp8_matches_ref(device, close, num_splits, bs, dtype):
+    args, kv_scale = to_fp8(make_decode(LENS, 4, 2, 32, bs, dtype, device))
+    out = paged_attention_decode(*args, 32**-0.5, num_splits=num_splits, kv_scale=kv_scale)
+    assert out.dtype == dtype
+    close(out, paged_attention_decode_ref(*args, 32**-0.5, kv_scale=kv_scale), dtype)
+
+
+def test_decode_fp8_ref_is_attention_over_dequantized_kv():
+    args, kv_scale = to_fp8(make_decode(LENS, 6, 2, 16, 8, torch.float32, "cpu"))
+    q, k8, v8, seq_lens, block_tables = args
+    out = paged_attention_decode_ref(*args, 0.3, kv_scale=kv_scale)
+    k, v = k8.float() * 0.02, v8.float() * 0.05  # written out here: float(x) * scale
+    torch.testing.assert_close(
+        out, paged_attention_decode_ref(q, k, v, seq_lens, block_tables, 0.3)
+    )
+    with pytest.raises(ValueError, match="FP8 caches need kv_scale"):
+        paged_attention_decode_ref(*args, 0.3)
+
+
+def test_decode_fp8_empty_sequence_and_tiles(device, close):
+    args, kv_scale = to_fp8(make_decode([1, 60, 130, 0], 4, 2, 32, 8, torch.float32, device))
+    for block_n, num_splits in ((64, 1), (32, 4)):
+        out = launch_decode(*args, 0.2, num_splits, block_n, 4, 1, kv_scale=kv_scale)
+        assert torch.equal(out[3], torch.zeros_like(out[3]))
+        close(out, paged_attention_decode_ref(*args, 0.2, kv_scale=kv_scale), torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_decode_fp8_realistic(close, batch):
+    lens = torch.randint(1, 2200, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
+    args, kv_scale = to_fp8(make_decode(lens, 32, 8, 128, 16, torch.bfloat16, "cuda"))
+    out = paged_attention_decode(*args, 128**-0.5, max_seq_len=2200, kv_scale=kv_scale)
+    ref = paged_attention_decode_ref(*args, 128**-0.5, kv_scale=kv_scale)
+    close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_decode_fp8_cuda_graph_replay(close):
+    # The scales are read from device memory at replay: changing them in place (calibration)
+    # needs no new capture.
+    args, kv_scale = to_fp8(make_decode([256] * 16, 32, 8, 128, 16, torch.bfloat16, "cuda"))
+    paged_attention_decode(*args, 0.1, max_seq_len=256, kv_scale=kv_scale)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention_decode(*args, 0.1, max_seq_len=256, kv_scale=kv_scale)
+    for scales in ((0.02, 0.05), (0.5, 0.001)):
+        kv_scale.copy_(torch.tensor(scales))
+        graph.replay()
+        close(out, paged_attention_decode_ref(*args, 0.1, kv_scale=kv_scale), torch.bfloat16)
+    assert args[1].dtype == FP8_DTYPE

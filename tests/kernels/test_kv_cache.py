@@ -1,9 +1,10 @@
-"""store_kvcache: kernel vs reference vs a plain loop."""
+"""store_kvcache: kernel vs reference vs a plain loop, bf16/fp16/fp32 and FP8 caches."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from batchgen.kernels.fp8 import FP8_DTYPE
 from batchgen.kernels.kv_cache import store_kvcache, store_kvcache_ref
 from batchgen.kernels.launch import KERNEL_DTYPES
 
@@ -50,8 +51,29 @@ def test_store_kvcache_rejects_bad_args(device):
     k, v, k_cache, v_cache, slots = _case(4, 2, 8, 2, 16, torch.float32, device)
     with pytest.raises(ValueError, match="slot_mapping must be"):
         store_kvcache(k, v, k_cache, v_cache, slots.int())
-    with pytest.raises(ValueError, match="share a dtype"):
+    with pytest.raises(ValueError, match="caches hold torch.float32; expected torch.float16"):
         store_kvcache(k.half(), v.half(), k_cache, v_cache, slots)
+    fp8 = k_cache.to(FP8_DTYPE), v_cache.to(FP8_DTYPE)
+    with pytest.raises(ValueError, match="FP8 caches need kv_scale"):
+        store_kvcache(k, v, *fp8, slots)
+    with pytest.raises(ValueError, match="kv_scale must be 2 contiguous float32"):
+        store_kvcache(k, v, *fp8, slots, torch.ones(1, device=device))
+    with pytest.raises(ValueError, match="kv_scale is for FP8 caches"):
+        store_kvcache(k, v, k_cache, v_cache, slots, torch.ones(2, device=device))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T, nb, bs, hk, d", [(1, 2, 8, 1, 16), (10, 4, 16, 2, 32)])
+def test_store_kvcache_fp8_matches_ref(device, T, nb, bs, hk, d, dtype):
+    k, v, k_cache, v_cache, slots = _case(T, nb, bs, hk, d, dtype, device)
+    k = k * 40  # some values past 448 / k_scale: saturated
+    k_cache, v_cache = k_cache.to(FP8_DTYPE), v_cache.to(FP8_DTYPE)
+    scale = torch.tensor([0.25, 0.03], device=device)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kvcache(k, v, k_cache, v_cache, slots, scale)
+    store_kvcache_ref(k, v, k_ref, v_ref, slots, scale)
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
 
 
 def test_ref_matches_loop():
@@ -65,6 +87,20 @@ def test_ref_matches_loop():
     assert torch.equal(k_cache, k_loop) and torch.equal(v_cache, v_loop)
 
 
+def test_fp8_ref_matches_loop():
+    k, v, k_cache, v_cache, slots = _case(9, 3, 8, 2, 16, torch.float32, "cpu")
+    k_cache, v_cache = k_cache.to(FP8_DTYPE), v_cache.to(FP8_DTYPE)
+    k_loop, v_loop = k_cache.float(), v_cache.float()
+    store_kvcache_ref(k, v, k_cache, v_cache, slots, torch.tensor([0.5, 2.0]))
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:  # the nearest e4m3 value of k / 0.5, v / 2, as torch rounds it
+            k_loop[slot // 8, slot % 8] = (k[t] / 0.5).to(FP8_DTYPE).float()
+            v_loop[slot // 8, slot % 8] = (v[t] / 2.0).to(FP8_DTYPE).float()
+    assert torch.equal(k_cache.float(), k_loop) and torch.equal(v_cache.float(), v_loop)
+    stored = k_cache.float().view(-1, 2, 16)[slots[slots >= 0]] * 0.5
+    assert (stored - k[slots >= 0]).abs().max() <= k.abs().max() / 16  # e4m3: 3 mantissa bits
+
+
 @pytest.mark.gpu
 def test_store_kvcache_realistic():
     k, v, k_cache, v_cache, slots = _case(8192, 4096, 16, 8, 128, torch.bfloat16, "cuda")
@@ -72,3 +108,15 @@ def test_store_kvcache_realistic():
     store_kvcache(k, v, k_cache, v_cache, slots)
     store_kvcache_ref(k, v, k_ref, v_ref, slots)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.gpu
+def test_store_kvcache_fp8_realistic():
+    k, v, k_cache, v_cache, slots = _case(8192, 4096, 16, 8, 128, torch.bfloat16, "cuda")
+    k_cache, v_cache = k_cache.to(FP8_DTYPE), v_cache.to(FP8_DTYPE)
+    scale = torch.tensor([0.02, 0.05], device="cuda")
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kvcache(k, v, k_cache, v_cache, slots, scale)
+    store_kvcache_ref(k, v, k_ref, v_ref, slots, scale)
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from batchgen.kernels.fp8 import FP8_DTYPE, quantize_fp8_ref
 from batchgen.kernels.kv_cache import store_kvcache, store_kvcache_ref
 from batchgen.kernels.paged_attention import (
     launch_attention,
@@ -132,8 +133,11 @@ def test_paged_attention_rejects_bad_args(device):
         paged_attention(q[:, :3], k_cache, v_cache, cu, seq_lens, block_tables, 0.1, 3)
     with pytest.raises(ValueError, match="int32"):
         paged_attention(q, k_cache, v_cache, cu, seq_lens.long(), block_tables, 0.1, 3)
-    with pytest.raises(ValueError, match="dtypes differ"):
+    with pytest.raises(ValueError, match="caches hold torch.float32; expected torch.float16"):
         paged_attention(q.half(), k_cache, v_cache, cu, seq_lens, block_tables, 0.1, 3)
+    fp8 = k_cache.to(FP8_DTYPE), v_cache.to(FP8_DTYPE)
+    with pytest.raises(ValueError, match="FP8 caches need kv_scale"):
+        paged_attention(q, *fp8, cu, seq_lens, block_tables, 0.1, 3)
 
 
 def _dense_attention(q, k, v, scale):
@@ -208,3 +212,71 @@ def test_paged_attention_writes_into_out_view(device, close, fn):
     assert torch.equal(buf[:2], torch.full_like(buf[:2], 7.0))
     with pytest.raises(ValueError, match="out must be"):
         fn(*args, 0.2, max(q_lens), out=buf)
+
+
+def to_fp8(args, scales=(0.02, 0.05)):
+    """The batch with its caches quantized to FP8 (values up to ~4 / 0.02 = 200, inside e4m3's
+    448), and the [2] kv_scale."""
+    q, k_cache, v_cache, *rest = args
+    kv_scale = torch.tensor(scales, device=q.device)
+    k8, v8 = quantize_fp8_ref(k_cache, kv_scale[0]), quantize_fp8_ref(v_cache, kv_scale[1])
+    return (q, k8, v8, *rest), kv_scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bs", [8, 16])
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_paged_attention_fp8_matches_ref(device, close, batch, bs, dtype):
+    q_lens, ctx_lens = BATCHES[batch]
+    args, kv_scale = to_fp8(make_batch(q_lens, ctx_lens, 4, 2, 32, bs, dtype, device)[0])
+    out = paged_attention(*args, 32**-0.5, max(q_lens), kv_scale=kv_scale)
+    assert out.dtype == dtype
+    close(out, paged_attention_ref(*args, 32**-0.5, max(q_lens), kv_scale=kv_scale), dtype)
+
+
+def test_paged_attention_fp8_ref_is_attention_over_dequantized_kv():
+    q_lens, ctx_lens = BATCHES["mixed"]
+    args, kv_scale = to_fp8(make_batch(q_lens, ctx_lens, 6, 2, 16, 8, torch.float32, "cpu")[0])
+    q, k8, v8, *meta = args
+    out = paged_attention_ref(*args, 0.3, max(q_lens), kv_scale=kv_scale)
+    k, v = k8.float() * 0.02, v8.float() * 0.05  # written out here: float(x) * scale
+    torch.testing.assert_close(out, paged_attention_ref(q, k, v, *meta, 0.3, max(q_lens)))
+    # FP8 moves the output by about e4m3's precision, no more.
+    exact = paged_attention_ref(
+        *make_batch(q_lens, ctx_lens, 6, 2, 16, 8, torch.float32, "cpu")[0], 0.3, max(q_lens)
+    )
+    assert 0 < (out - exact).abs().max() <= exact.abs().max() / 8
+
+
+def test_chunked_prefill_fp8_end_to_end(device, close):
+    # Two chunks through store_kvcache + paged_attention into FP8 caches equal one pass over
+    # the whole prompt's dequantized K/V: the chunk reads its own keys from the cache too.
+    g = torch.Generator().manual_seed(1)
+    n, split, hq, hk, d, bs = 45, 19, 4, 2, 32, 8
+    q, k, v = (torch.randn(n, h, d, generator=g).to(device) for h in (hq, hk, hk))
+    kv_scale = torch.tensor([0.03, 0.01], device=device)
+    k_cache = torch.zeros(12, bs, hk, d, device=device).to(FP8_DTYPE)
+    v_cache = torch.zeros_like(k_cache)
+    block_tables = torch.tensor([[7, 2, 11, 0, 5, 9, 1]], dtype=torch.int32, device=device)
+    pos = torch.arange(n, device=device)
+    slots = block_tables[0, pos // bs].long() * bs + pos % bs
+    outs = []
+    for lo, hi in ((0, split), (split, n)):
+        store_kvcache(k[lo:hi], v[lo:hi], k_cache, v_cache, slots[lo:hi], kv_scale)
+        cu = torch.tensor([0, hi - lo], dtype=torch.int32, device=device)
+        seq_lens = torch.tensor([hi], dtype=torch.int32, device=device)
+        outs.append(paged_attention(q[lo:hi], k_cache, v_cache, cu, seq_lens, block_tables,
+                                    0.2, hi - lo, kv_scale=kv_scale))  # fmt: skip
+    k_deq = quantize_fp8_ref(k, 0.03).float() * 0.03
+    v_deq = quantize_fp8_ref(v, 0.01).float() * 0.01
+    cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+    close(torch.cat(outs), varlen_attention_ref(q, k_deq, v_deq, cu, n, 0.2), torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_attention_fp8_realistic(close, dtype):
+    q_lens, ctx_lens = [2048, 512, 1, 1, 300], [0, 1536, 2047, 1000, 0]
+    args, kv_scale = to_fp8(make_batch(q_lens, ctx_lens, 32, 8, 128, 16, dtype, "cuda")[0])
+    out = paged_attention(*args, 128**-0.5, 2048, kv_scale=kv_scale)
+    close(out, paged_attention_ref(*args, 128**-0.5, 2048, kv_scale=kv_scale), dtype)

@@ -1,9 +1,11 @@
-"""rope_and_store_kv: the fused prologue vs its reference and vs the three unfused kernels."""
+"""rope_and_store_kv: the fused prologue vs its reference and vs the three unfused kernels, into
+bf16/fp16/fp32 and FP8 caches."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from batchgen.kernels.fp8 import FP8_DTYPE
 from batchgen.kernels.kv_cache import store_kvcache
 from batchgen.kernels.launch import KERNEL_DTYPES
 from batchgen.kernels.rms_norm import rms_norm
@@ -93,8 +95,11 @@ def test_rope_and_store_kv_rejects_bad_args(device):
         rope_and_store_kv(qkv, positions, cos_sin, hq, hk, k_cache, v_cache, slots.int())
     with pytest.raises(ValueError, match="positions must be"):
         rope_and_store_kv(qkv, positions[:2], cos_sin, hq, hk, k_cache, v_cache, slots)
-    with pytest.raises(ValueError, match="share a dtype"):
+    with pytest.raises(ValueError, match="caches hold torch.float32; expected torch.float16"):
         rope_and_store_kv(qkv.half(), positions, cos_sin, hq, hk, k_cache, v_cache, slots)
+    fp8 = k_cache.to(FP8_DTYPE), v_cache.to(FP8_DTYPE)
+    with pytest.raises(ValueError, match="FP8 caches need kv_scale"):
+        rope_and_store_kv(qkv, positions, cos_sin, hq, hk, *fp8, slots)
     with pytest.raises(ValueError, match="or neither"):
         rope_and_store_kv(qkv, positions, cos_sin, hq, hk, k_cache, v_cache, slots, norms[0])
     with pytest.raises(ValueError, match="kv heads"):
@@ -150,3 +155,66 @@ def test_rope_and_store_kv_rejects_bad_rms_rows(device):
         rope_and_store_kv(*args, rms_rows=rows.half())
     with pytest.raises(ValueError, match="rms_rows rows must be contiguous"):
         rope_and_store_kv(*args, rms_rows=rows.t().contiguous().t())
+
+
+def _fp8_case(T, hq, hk, d, dtype, device, qk_norm, seed=0):
+    args, norms = _case(T, hq, hk, d, dtype, device, qk_norm, seed=seed)
+    caches = tuple(c.to(FP8_DTYPE) for c in args[5:7])
+    return (*args[:5], *caches, args[7]), norms
+
+
+def _close_fp8(out, ref, scale: float, atol: float = 0.0) -> None:
+    """Dequantized caches equal but where the values before quantization differed (the kernel
+    rotates in fp32 and rounds once, the reference rounds each step in the dtype: up to atol
+    apart where a rotation cancels) or sat by an e4m3 midpoint: there within atol plus one e4m3
+    step (2^-3 relative, 2^-9 * scale below the normal range)."""
+    a, b = out.float() * scale, ref.float() * scale
+    step = torch.maximum(a.abs(), b.abs()) / 8 + 2**-9 * scale + atol
+    assert ((a - b).abs() <= step).all()
+    assert (a == b).float().mean().item() > 0.97
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("T, hq, hk, d", [(1, 2, 1, 16), (9, 4, 2, 32), (5, 8, 2, 128)])
+def test_rope_and_store_kv_fp8_matches_ref(device, close, T, hq, hk, d, dtype, qk_norm):
+    args, norms = _fp8_case(T, hq, hk, d, dtype, device, qk_norm)
+    kv_scale = torch.tensor([0.05, 0.01], device=device)  # v values past 448 * 0.01 saturate
+    q, k_cache, v_cache = _run(lambda *a: rope_and_store_kv(*a, kv_scale=kv_scale), args, norms)
+    q_ref, k_ref, v_ref = _run(lambda *a: rope_and_store_kv_ref(*a, kv_scale=kv_scale), args, norms)
+    assert k_cache.dtype == FP8_DTYPE
+    close(q, q_ref, dtype, scale=4)  # q is never quantized
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))  # v: no rotation
+    _close_fp8(k_cache, k_ref, 0.05, atol={torch.float32: 0, torch.float16: 8e-3}.get(dtype, 8e-2))
+    if dtype == torch.float32:  # both rotate in fp32 and round once: the same bytes
+        assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    # What is stored is the unquantized op's k / k_scale, rounded to e4m3 (half a step off).
+    plain = tuple(c.float().to(dtype) for c in args[5:7])
+    k_plain = _run(rope_and_store_kv_ref, (*args[:5], *plain, args[7]), norms)[1]
+    slots = args[7][args[7] >= 0]
+    exact = k_plain.flatten(0, 1)[slots].float()
+    stored = k_ref.flatten(0, 1)[slots].float() * 0.05
+    assert ((stored - exact).abs() <= exact.abs() / 16 + 2**-10 * 0.05).all()
+
+
+def test_rope_and_store_kv_fp8_row_scale(device):
+    args, norms = _fp8_case(9, 4, 2, 32, torch.float32, device, True, seed=5)
+    rows = 3 * torch.randn(9, 100, generator=torch.Generator().manual_seed(6)).to(device)
+    extra = dict(rms_rows=rows, rms_eps=1e-5, kv_scale=torch.tensor([0.02, 0.02], device=device))
+    q, k_cache, v_cache = _run(lambda *a: rope_and_store_kv(*a, **extra), args, norms)
+    q_ref, k_ref, v_ref = _run(lambda *a: rope_and_store_kv_ref(*a, **extra), args, norms)
+    torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)
+    _close_fp8(k_cache, k_ref, 0.02)
+    _close_fp8(v_cache, v_ref, 0.02)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq, qk_norm, T", [(16, True, 256), (32, False, 2048)])
+def test_rope_and_store_kv_fp8_realistic(hq, qk_norm, T):
+    args, norms = _fp8_case(T, hq, 8, 128, torch.bfloat16, "cuda", qk_norm)
+    kv_scale = torch.tensor([0.02, 0.01], device="cuda")
+    q, k_cache, v_cache = _run(lambda *a: rope_and_store_kv(*a, kv_scale=kv_scale), args, norms)
+    q_ref, k_ref, v_ref = _run(lambda *a: rope_and_store_kv_ref(*a, kv_scale=kv_scale), args, norms)
+    torch.testing.assert_close(q.float(), q_ref.float(), atol=8e-2, rtol=8e-2)
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    _close_fp8(k_cache, k_ref, 0.02, atol=8e-2)

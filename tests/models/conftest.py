@@ -1,4 +1,4 @@
-"""Make the quantized-checkpoint writers beside the model tests importable from them."""
+"""Make the checkpoint writers beside the model tests (4-bit, FP8) importable from them."""
 
 import os
 import sys

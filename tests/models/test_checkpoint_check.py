@@ -96,6 +96,45 @@ def test_quantized_or_integer_weights_are_refused(tiny_model_dir, tmp_path):
         check_checkpoint(path, config)
 
 
+def test_fp8_weights_need_a_quantization_config(tiny_model_dir, tmp_path):
+    path = copy_model(tiny_model_dir("llama"), tmp_path / "m")
+    weights = os.path.join(path, "model.safetensors")
+    tensors = load_file(weights)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    tensors["model.layers.0.self_attn.o_proj.weight_scale"] = torch.ones(1)
+    save_file(tensors, weights)
+    with pytest.raises(ModelLoadError, match=r"o_proj.weight' has dtype F8_E4M3; .*FP8 ones of"):
+        check_checkpoint(path, ModelConfig.from_dir(path))
+
+
+@pytest.mark.parametrize("layout", ["channel-static-kv", "block", "fp8-blockwise"])
+def test_fp8_checkpoints_pass_with_their_scale_tensors(tiny_model_dir, tmp_path, layout):
+    from fp8_checkpoints import write_compressed_tensors, write_fp8_blockwise
+
+    src = tiny_model_dir("llama")
+    if layout == "fp8-blockwise":
+        path = write_fp8_blockwise(src, tmp_path / "m")
+    elif layout == "block":
+        path = write_compressed_tensors(src, tmp_path / "m", "block", "group")
+    else:
+        modules = [n[: -len(".weight")] for n in load_file(f"{src}/model.safetensors")]
+        scales = dict.fromkeys(modules, 0.01)
+        kv = {0: (0.02, 0.03), 1: (0.04, 0.05)}
+        path = write_compressed_tensors(src, tmp_path / "m", "channel", "tensor", scales, kv)
+    header = read_header(os.path.join(path, "model.safetensors"))
+    kinds = {info.dtype for info in header.values()}
+    assert "F8_E4M3" in kinds
+    check_checkpoint(path, ModelConfig.from_dir(path))  # raises on a tensor it does not expect
+    # A stray tensor is still refused in a quantized checkpoint.
+    weights = os.path.join(path, "model.safetensors")
+    tensors = load_file(weights)
+    tensors["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(2, 2)
+    save_file(tensors, weights)
+    with pytest.raises(ModelLoadError, match="extra_proj"):
+        check_checkpoint(path, ModelConfig.from_dir(path))
+
+
 @pytest.mark.parametrize(
     "damage, why",
     [

@@ -15,6 +15,7 @@ from batchgen.models.checkpoint_check import check_checkpoint
 from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
 from batchgen.models.loader import load_model
+from batchgen.models.quantization import load_plan
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +46,9 @@ def edit_tensors(path: str, change) -> None:
 
 def refused(path: str, match: str) -> None:
     config = ModelConfig.from_dir(path)
-    with pytest.raises(ModelLoadError, match=match):
-        check_checkpoint(path, config)  # what `batchgen validate` and `run` check first
+    with pytest.raises(ModelLoadError, match=match):  # what `batchgen validate` and `run` check
+        load_plan(config, None, f"{path}/config.json")  # the config alone
+        check_checkpoint(path, config)  # then the headers
     with pytest.raises(ModelLoadError, match=match):
         load_model(path, "float32", "cpu")
 
@@ -112,8 +114,11 @@ def test_compressed_tensors_config_refused(tmp_path, tok_dir, changes, match):
 
 def test_other_compressed_tensors_formats_refused_by_name(tmp_path, tok_dir):
     path = write_compressed(str(tmp_path), tok_dir, 128)
+    edit_config(path, format="int-quantized")
+    refused(path, "quant_method 'compressed-tensors', format 'int-quantized' is not supported")
+    # float-quantized is FP8 (batchgen.models.quantization): 4-bit int weights are refused there.
     edit_config(path, format="float-quantized")
-    refused(path, "quant_method 'compressed-tensors', format 'float-quantized' is not supported")
+    refused(path, r"weights.num_bits=4 \(FP8 e4m3 needs 8\)")
 
 
 def test_half_quantized_fused_projection_refused(tmp_path, tok_dir):
@@ -178,3 +183,9 @@ def test_config_says_gptq_but_weights_are_16_bit(tmp_path, tok_dir, tiny_model_d
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     refused(path, r"no tensor of the weights ends in \.qweight")
+
+
+def test_online_fp8_of_a_4_bit_checkpoint_refused(tmp_path, tok_dir):
+    path = write_gptq(str(tmp_path), tok_dir, 128)
+    with pytest.raises(ModelLoadError, match=r"quantization='fp8' with a 4-bit gptq checkpoint"):
+        load_model(path, "float32", "cpu", quantization="fp8")

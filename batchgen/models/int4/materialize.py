@@ -14,7 +14,8 @@ from batchgen.models.config import ModelConfig
 
 def materialize_(model: nn.Module, device: torch.device, config: ModelConfig) -> None:
     """Allocate every meta parameter on `device` (a tied one once, shared again) and rebuild
-    the rotary embedding's cos/sin table there (the one buffer the model computes at init)."""
+    the buffers the model computes at init there: the rotary embedding's cos/sin table, the
+    attention layers' K/V-cache scales (ones)."""
     new: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
@@ -26,6 +27,9 @@ def materialize_(model: nn.Module, device: torch.device, config: ModelConfig) ->
             module._parameters[name] = new[id(p)]
         for name, b in list(module._buffers.items()):
             if b is None or not b.is_meta:
+                continue
+            if name == "kv_scale":  # an FP8 KV cache's K/V scales: 1.0 until set or calibrated
+                module._buffers[name] = torch.ones(b.shape, dtype=b.dtype, device=device)
                 continue
             if name != "cos_sin_cache":
                 raise RuntimeError(f"cannot rebuild buffer {name!r} of {type(module).__name__}")

@@ -1,11 +1,14 @@
-"""Int4LoadPlan: what the loader does for a 4-bit checkpoint around loading the weights.
+"""Int4LoadPlan: what the loader does for a 4-bit checkpoint around loading the weights (a
+batchgen.models.quantization LoadPlan).
 
-`prepare(model)` swaps each projection the checkpoint stores in 4 bits for an Int4Linear (fused
-q/k/v and gate/up stay fused: all of their parts must be 4-bit); `tensors(stream)` passes the
+The model is built on meta (`build_device`); `prepare(model)` swaps each projection the checkpoint
+stores in 4 bits for an Int4Linear on the device (fused q/k/v and gate/up stay fused: all of
+their parts must be 4-bit) and allocates the rest there; `tensors(stream)` passes the
 16-bit tensors on to the loader and keeps each module's format tensors until the module is
 complete, then converts it (on the model's device) into the packed layout; a fused projection is
 set once all its parts are converted, concatenated along the output dim; `finish(model)` checks
-that every 4-bit projection was filled and no format tensor was left over.
+that every 4-bit projection was filled and no format tensor was left over. K/V-cache scales
+a checkpoint carries are taken and set as for any LoadPlan.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from batchgen.layers.int4_linear import Int4Linear, PackedInt4, concat_outputs
 from batchgen.models.errors import ModelLoadError
 from batchgen.models.int4 import awq, compressed_tensors, gptq
 from batchgen.models.int4.checkpoint import Int4Checkpoint
+from batchgen.models.int4.materialize import materialize_
 from batchgen.models.int4.tp_slices import format_slice
+from batchgen.models.quantization.plan import LoadPlan
 
 
 def projections(model: nn.Module) -> list[tuple[str, nn.Module, list[str]]]:
@@ -45,10 +50,11 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
 
-class Int4LoadPlan:
+class Int4LoadPlan(LoadPlan):
     """Loads a checkpoint's 4-bit projections into Int4Linear layers on `device`."""
 
     def __init__(self, checkpoint: Int4Checkpoint, device: torch.device, dtype: torch.dtype):
+        super().__init__()
         self.ckpt = checkpoint
         self.device, self.dtype = device, dtype
         self.model: nn.Module | None = None
@@ -58,8 +64,12 @@ class Int4LoadPlan:
         self.parts: dict[str, list[PackedInt4 | None]] = {}  # our module -> converted parts
         self.stash: dict[str, dict[str, torch.Tensor]] = {}  # HF module -> suffix -> tensor
 
+    def build_device(self, device: torch.device) -> torch.device:
+        return torch.device("meta")  # a 70B model's 16-bit projections would need 140 GB
+
     def prepare(self, model: nn.Module) -> None:
-        """Replace every projection the checkpoint stores in 4 bits with an Int4Linear."""
+        """Replace every projection the checkpoint stores in 4 bits with an Int4Linear, then
+        allocate the rest of the (meta) model on the device."""
         src = self.ckpt.source
         self.model = model
         for name, linear, hf_names in projections(model):
@@ -88,6 +98,10 @@ class Int4LoadPlan:
                 f"{src}: the checkpoint stores {', '.join(unplaced)} in 4 bits, but this model "
                 "runs it in 16 bits"
             )
+        materialize_(model, self.device, model.config)
+
+    def tp_select(self, select):
+        return self.tp_slice  # the model's blocks, in each format tensor's own units
 
     def tp_slice(self, hf_name: str) -> tuple[int, RowBlock] | None:
         """A tensor-parallel rank's block of checkpoint tensor hf_name: the model's for 16-bit
@@ -114,7 +128,11 @@ class Int4LoadPlan:
             ) from None
 
     def tensors(self, stream) -> Iterator[tuple[str, str, torch.Tensor]]:
-        """The stream without the format's tensors, which convert the modules as they complete."""
+        """The stream without the format's tensors (which convert the modules as they
+        complete) and K/V-cache scales."""
+        return self.kv_scales.take(self._plain(stream))
+
+    def _plain(self, stream) -> Iterator[tuple[str, str, torch.Tensor]]:
         suffixes = self.ckpt.scheme.suffixes
         for file, name, tensor in stream:
             module, _, suffix = name.rpartition(".")
@@ -194,3 +212,4 @@ class Int4LoadPlan:
         empty = [name for name, parts in self.parts.items() if parts]
         if empty:
             raise ModelLoadError(f"{self.ckpt.source}: 4-bit tensors missing for {empty[0]}")
+        super().finish(model)

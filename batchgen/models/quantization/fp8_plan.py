@@ -1,0 +1,236 @@
+"""Load plans for FP8 weights: a published FP8 checkpoint (CheckpointFp8Plan) and online FP8 of a
+16-bit checkpoint (OnlineFp8Plan, `quantization: fp8`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from batchgen.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, quantize_fp8_ref
+from torch import nn
+
+from batchgen.distributed.partition import RowBlock
+from batchgen.layers.fp8_linear import Fp8Linear, Fp8Scheme, dequantized_weight
+from batchgen.models.errors import ModelLoadError
+from batchgen.models.quantization.plan import LoadPlan
+from batchgen.models.quantization.schemes import CheckpointScheme
+
+_SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale")
+# The decoder's projections online FP8 quantizes (lm_head and the embedding stay 16-bit).
+ONLINE_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not (tied and name == "lm_head")
+    ]
+
+
+class CheckpointFp8Plan(LoadPlan):
+    """A checkpoint with FP8 projections: they become Fp8Linear before loading; their FP8 weights
+    load through the loader (fused shards included), their scales through this plan (per-tensor
+    scales expanded to every row of their shard, exactly; shards' scales concatenated)."""
+
+    def __init__(self, scheme: CheckpointScheme, source: str) -> None:
+        super().__init__()
+        self.scheme, self.source = scheme, source
+        self.shards: dict[str, tuple[str, int, int]] = {}  # HF module -> (ours, shard, rows)
+        self.layers: dict[str, Fp8Linear] = {}
+        self.stash: dict[tuple[str, str], torch.Tensor] = {}  # (HF module, suffix) -> tensor
+
+    def prepare(self, model: nn.Module) -> None:
+        inverse: dict[str, list[str]] = {}
+        for hf_part, (ours, shard) in model.packed_modules.items():
+            inverse.setdefault(ours, [""] * len(model.shard_sizes(ours)))[shard] = hf_part
+        for name, linear in _linears(model):
+            prefix, _, leaf = name.rpartition(".")
+            parts = inverse.get(leaf)
+            hf_names = [f"{prefix}.{p}" for p in parts] if parts else [name]
+            rows = model.shard_sizes(leaf) if parts else [linear.out_features]
+            schemes = {self.scheme.scheme_of(h) for h in hf_names}
+            if len(schemes) > 1:
+                raise ModelLoadError(
+                    f"{self.source}: {', '.join(hf_names)} are fused into one projection but "
+                    "quantization_config gives them different schemes (or ignores only some)"
+                )
+            scheme = schemes.pop()
+            if scheme is None:
+                continue
+            self._check_blocks(hf_names, rows, scheme)
+            layer = Fp8Linear(
+                linear.in_features, linear.out_features, linear.bias is not None, scheme,
+                device=linear.weight.device, dtype=linear.weight.dtype,
+            )  # fmt: skip
+            _replace(model, name, layer)
+            self.layers[name] = layer
+            for shard, (hf, n) in enumerate(zip(hf_names, rows)):
+                self.shards[hf] = (name, shard, n)
+
+    def _check_blocks(self, hf_names: list[str], rows: list[int], scheme: Fp8Scheme) -> None:
+        if scheme.weight != "block":
+            return
+        for hf, n in zip(hf_names[:-1], rows[:-1]):
+            if n % scheme.block[0]:
+                raise ModelLoadError(
+                    f"{self.source}: {hf} has {n} output rows, not a multiple of the weight "
+                    f"block's {scheme.block[0]}, so its block scales cannot be fused with the "
+                    f"next projection's ({hf_names[-1]})"
+                )
+
+    def tp_select(self, select):
+        """Scales sliced with their weight: per-channel rows with a column-parallel weight's
+        rows; block scales by whole blocks (a rank's rows or columns must be whole blocks);
+        per-tensor and static input scales whole."""
+
+        def pick(name: str):
+            module, _, suffix = name.rpartition(".")
+            if module not in self.shards or suffix not in _SCALE_SUFFIXES:
+                return select(name)
+            part = select(module + ".weight")
+            strategy = self.scheme.strategy_of(module)
+            if part is None or suffix == "input_scale" or strategy == "tensor":
+                return None
+            dim, block = part
+            if strategy == "channel":
+                return part if dim == 0 else None  # o / down keep every output row
+            size = self.scheme.scheme_of(module).block[dim]
+            whole = block.start % size == 0 and (
+                block.length % size == 0 or block.start + block.length == block.full
+            )
+            if not whole:
+                raise ModelLoadError(
+                    f"{self.source}: with tensor parallel a rank holds "
+                    f"{'rows' if dim == 0 else 'columns'} [{block.start}, "
+                    f"{block.start + block.length}) of {module}, not whole {size}-wide weight "
+                    "blocks; choose a tensor_parallel_size that splits it into whole blocks"
+                )
+            blocks = -(-block.full // size)
+            return dim, RowBlock(block.start // size, -(-block.length // size), blocks)
+
+        return pick
+
+    def tensors(self, stream) -> Iterator[tuple[str, str, torch.Tensor]]:
+        for file, name, tensor in super().tensors(stream):
+            module, _, suffix = name.rpartition(".")
+            if suffix in ("weight_zero_point", "input_zero_point"):
+                raise ModelLoadError(
+                    f"{file}: {name}: asymmetric FP8 (zero points) is not supported"
+                )
+            if suffix in _SCALE_SUFFIXES and module in self.shards:
+                self.stash[(module, suffix)] = tensor
+                continue
+            if suffix == "weight" and tensor.dtype == FP8_DTYPE and module not in self.shards:
+                raise ModelLoadError(
+                    f"{file}: {name} is FP8, but quantization_config leaves {module} "
+                    "unquantized (ignore / modules_to_not_convert)"
+                )
+            if suffix == "weight" and module in self.shards and tensor.dtype != FP8_DTYPE:
+                raise ModelLoadError(
+                    f"{file}: {name} is {tensor.dtype}; quantization_config makes {module} FP8, "
+                    f"whose weight must be {FP8_DTYPE}"
+                )
+            yield file, name, tensor
+
+    def finish(self, model: nn.Module) -> None:
+        super().finish(model)
+        by_layer: dict[str, list[tuple[str, int]]] = {}
+        for hf, (ours, _, n) in sorted(self.shards.items(), key=lambda kv: kv[1]):
+            by_layer.setdefault(ours, []).append((hf, n))
+        for ours, shards in by_layer.items():
+            layer = self.layers[ours]
+            scales = [self._weight_scale(hf, n, layer.scheme) for hf, n in shards]
+            layer.weight_scale.copy_(torch.cat(scales))
+            if layer.scheme.activation == "tensor":
+                # Fused shards see the same input; calibrations give them equal scales. Where
+                # they differ the largest is used, so no shard's input saturates earlier.
+                inputs = [self._take(hf, "input_scale").float().reshape(-1) for hf, _ in shards]
+                layer.input_scale.copy_(torch.stack([t.max() for t in inputs]).max().reshape(1))
+            if layer.scheme.activation is None and layer.weight.is_cuda:
+                _replace(model, ours, _dequantized_linear(layer))
+        left = sorted(f"{m}.{s}" for m, s in self.stash)
+        if left:
+            raise ModelLoadError(
+                f"{self.source}: unexpected quantization tensors: {', '.join(left)}"
+            )
+
+    def _take(self, hf: str, suffix: str) -> torch.Tensor:
+        tensor = self.stash.pop((hf, suffix), None)
+        if tensor is None:
+            raise ModelLoadError(f"{self.source}: the checkpoint lacks {hf}.{suffix}")
+        return tensor
+
+    def _weight_scale(self, hf: str, rows: int, scheme: Fp8Scheme) -> torch.Tensor:
+        """One shard's scales as the layer holds them: [rows] (channel) or its block rows."""
+        t = self._take(hf, self.scheme.scale_name).float()
+        if scheme.weight == "channel":
+            if t.numel() == 1:
+                return t.reshape(1).expand(rows)  # per tensor: the same scale on every row
+            if t.numel() == rows:
+                return t.reshape(rows)
+            raise ModelLoadError(
+                f"{self.source}: {hf}.{self.scheme.scale_name} has shape {tuple(t.shape)}; "
+                f"expected one scale or one per output row ({rows})"
+            )
+        expected = -(-rows // scheme.block[0])
+        if t.dim() != 2 or t.shape[0] != expected:
+            raise ModelLoadError(
+                f"{self.source}: {hf}.{self.scheme.scale_name} has shape {tuple(t.shape)}; "
+                f"expected [{expected}, ceil(in / {scheme.block[1]})] block scales"
+            )
+        return t
+
+
+def _dequantized_linear(layer: Fp8Linear) -> nn.Linear:
+    """A weight-only FP8 layer as a 16-bit nn.Linear (float(w) * scale rounded to the
+    activations' dtype): on the GPU weight-only schemes run as 16-bit GEMMs."""
+    linear = nn.Linear(
+        layer.in_features, layer.out_features, layer.bias is not None, layer.weight.device,
+        layer.act_dtype,
+    )  # fmt: skip
+    with torch.no_grad():
+        linear.weight.copy_(dequantized_weight(layer))
+        if layer.bias is not None:
+            linear.bias.copy_(layer.bias)
+    return linear
+
+
+@torch.no_grad()
+def quantize_linear(linear: nn.Linear) -> Fp8Linear:
+    """Online FP8 of one projection: per-output-row scales max |w| / 448, dynamic per-token
+    activations."""
+    w = linear.weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=MIN_AMAX) / FP8_MAX  # [out]
+    layer = Fp8Linear(
+        linear.in_features, linear.out_features, linear.bias is not None,
+        Fp8Scheme("channel", "token"), device=w.device, dtype=linear.weight.dtype,
+    )  # fmt: skip
+    layer.weight.copy_(quantize_fp8_ref(w, scale[:, None]))
+    layer.weight_scale.copy_(scale)
+    if linear.bias is not None:
+        layer.bias.copy_(linear.bias)
+    return layer
+
+
+def quantize_model_fp8(model: nn.Module) -> nn.Module:
+    """Online FP8 of the decoder's projections in place (one at a time, so the peak memory is
+    the 16-bit model plus one projection's FP8 copy); returns the model."""
+    for name, linear in _linears(model):
+        if name.rpartition(".")[2] in ONLINE_PROJECTIONS:
+            _replace(model, name, quantize_linear(linear))
+    return model
+
+
+class OnlineFp8Plan(LoadPlan):
+    """`quantization: fp8` on a 16-bit checkpoint: load it as it is, then quantize."""
+
+    def finish(self, model: nn.Module) -> None:
+        super().finish(model)
+        quantize_model_fp8(model)
