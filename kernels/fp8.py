@@ -17,8 +17,6 @@ from .launch import check_launchable, tl, triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-# 1.5 * 2^23: adding and subtracting it rounds an fp32 |y| < 2^22 to an integer, ties to even.
-_ROUND_MAGIC = 12582912.0
 # Dynamic scales are max(amax, MIN_AMAX) / 448: an all-zero row gets a tiny scale, not 0 / 0.
 MIN_AMAX = 1e-12
 
@@ -33,7 +31,9 @@ def round_to_e4m3(x):
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
     inv_step = ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)
-    r = ((x * inv_step + _ROUND_MAGIC) - _ROUND_MAGIC) * step
+    # 12582912 = 1.5 * 2^23: adding and subtracting it rounds an fp32 |y| < 2^22 to an integer,
+    # ties to even (a literal: compiled kernels read no non-constexpr globals).
+    r = ((x * inv_step + 12582912.0) - 12582912.0) * step
     r = tl.minimum(tl.maximum(r, -448.0), 448.0)
     return tl.where(bits < 0, -tl.abs(r), tl.abs(r))  # the sign bit, -0.0 included
 
