@@ -111,6 +111,11 @@ def write_job(out_dir: str, job: dict) -> None:
     write_json(os.path.join(out_dir, JOB_FILE), job)
 
 
+def read_stats(out_dir: str) -> dict | None:
+    """`_stats.json` (job totals and the last run's numbers), or None."""
+    return _read_json(os.path.join(out_dir, STATS_FILE))
+
+
 def entry_path(out_dir: str, k: int) -> str:
     return os.path.join(out_dir, MANIFEST_DIR, f"part-{k:05d}.json")
 
