@@ -352,12 +352,23 @@ def _log(message: str) -> None:
 
 @main.command()
 @click.argument("out_dir", type=click.Path(file_okay=False))
-def status(out_dir) -> None:
+@click.option(
+    "--plot",
+    "plot_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Also write a PNG of generated tok/s and rows done over time (needs batchgen[plot]).",
+)
+def status(out_dir, plot_file) -> None:
     """Show OUT_DIR's progress: shards done, partial shards, who works on what, rows, tokens."""
     from batchgen.pipeline.status import status_lines
 
     with _exit_codes():
         lines = status_lines(out_dir)
+        if plot_file is not None:
+            from batchgen.pipeline.status_plot import write_plot
+
+            lines.append(write_plot(out_dir, plot_file))
     for line in lines:
         click.echo(line)
 

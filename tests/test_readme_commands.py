@@ -53,13 +53,15 @@ GPU = [c for c in BATCHGEN if needs_gpu(c[0])]
 
 class Workspace:
     """A copy of what the README's commands read after `make demo`: jobs/, the example data (its
-    first rows) and the tiny demo model. Commands run in README order; a test runs the ones
-    before its own first, so each test also passes alone."""
+    first rows), schemas, the trained tiny model and the tiny demo model. Commands run in README
+    order; a test runs the ones before its own first, so each test also passes alone."""
 
     def __init__(self, path: Path, model_dir: str) -> None:
         self.path = path
         shutil.copytree(ROOT / "jobs", path / "jobs")
-        shutil.copytree(ROOT / "examples" / "openai_batch", path / "examples" / "openai_batch")
+        for name in ("openai_batch", "schemas", "trained-tiny"):
+            shutil.copytree(ROOT / "examples" / name, path / "examples" / name)
+        shutil.copy(ROOT / "examples" / "python_api.py", path / "examples" / "python_api.py")
         data = path / "examples" / "data"
         data.mkdir(parents=True)
         for name, rows in KEEP_ROWS.items():

@@ -62,10 +62,22 @@ from batchgen.models.presets import PRESET_NAMES
 )
 @click.option(
     "--quantization",
-    type=click.Choice(["fp8"]),
+    type=click.Choice(["fp8", "gptq"]),
     default=None,
     help="fp8: the decoder's projections in FP8 e4m3 (online, per-channel weights, per-token "
-    "activations); an FP8 checkpoint (--model) is detected without it.",
+    "activations); an FP8 checkpoint (--model) is detected without it. gptq: a preset's "
+    "projections as random 4-bit GPTQ tensors (built on the device, converted as a "
+    "checkpoint's are); a 4-bit checkpoint (--model) is detected without it.",
+)
+@click.option(
+    "--int4-group-size",
+    type=int,
+    default=128,
+    show_default=True,
+    help="With --quantization gptq: the group size (-1: one group per output channel).",
+)
+@click.option(
+    "--int4-act-order", is_flag=True, help="With --quantization gptq: desc_act (a random g_idx)."
 )
 @click.option(
     "--kv-cache-dtype",
@@ -187,7 +199,7 @@ def bench(**kw) -> None:
         engine = EngineConfig(
             model=kw["model_path"] or "<random preset>",
             dtype=kw["dtype"],
-            quantization=kw["quantization"],
+            quantization="fp8" if kw["quantization"] == "fp8" else None,  # gptq: BenchOptions
             kv_cache_dtype=kw["kv_cache_dtype"],
             calibrate_kv_scales=kw["calibrate_kv_scales"],
             device=kw["device"],
@@ -207,6 +219,32 @@ def bench(**kw) -> None:
         raise click.BadParameter(
             "--peer hf runs transformers on 16-bit weights; run it without --quantization"
         )
+    gptq = kw["quantization"] == "gptq"
+    if gptq and kw["model_path"] is not None:
+        raise click.BadParameter(
+            "a checkpoint's 4-bit format is read from its config.json; --quantization gptq "
+            "builds a random preset",
+            param_hint="--quantization",
+        )
+    group = kw["int4_group_size"]
+    if group != -1 and (group <= 0 or group % 32):
+        raise click.BadParameter("-1 or a positive multiple of 32", param_hint="--int4-group-size")
+    if gptq and kw["int4_act_order"] and kw["tensor_parallel_size"] > 1:
+        raise click.BadParameter(
+            "act order cannot be split across tensor-parallel ranks (a checkpoint's is refused "
+            "too); run it with --tensor-parallel-size 1",
+            param_hint="--int4-act-order",
+        )
+    if gptq:
+        from batchgen.bench.random_model import preset_config
+        from batchgen.models.config import ModelConfig
+
+        preset = kw["preset"]
+        if ModelConfig.from_dict(preset_config(preset), source=preset).moe is not None:
+            raise click.BadParameter(
+                f"{preset} is a mixture-of-experts model: 4-bit experts are not supported",
+                param_hint="--quantization",
+            )
     for name in ("repeat", "peer_repeat", "num_prompts", "max_output_tokens"):
         if kw[name] is not None and kw[name] < 1:
             raise click.BadParameter(f"--{name.replace('_', '-')} must be >= 1")
@@ -221,6 +259,9 @@ def bench(**kw) -> None:
         num_prompts=kw["num_prompts"],
         max_output_tokens=kw["max_output_tokens"],
         warmup=kw["warmup"],
+        quantization=kw["quantization"],
+        int4_group_size=group,
+        int4_act_order=kw["int4_act_order"],
         structured_schema=kw["structured_schema"],
     )
     if kw["data_parallel_size"] > 1:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from batchgen.bench.gpu_power import PowerSampler, device_uuid
+from batchgen.bench.random_int4 import RandomInt4Preset, build_random_int4_model
 from batchgen.bench.random_model import RandomPreset, build_random_model, preset_config
 from batchgen.bench.timing import timed
 from batchgen.bench.workloads import Workload, warmup_workload
@@ -46,10 +47,15 @@ class Bench:
 
 
 def build_bench(
-    config: EngineConfig, preset: str | None, model_path: str | None, max_model_len: int
+    config: EngineConfig,
+    preset: str | None,
+    model_path: str | None,
+    max_model_len: int,
+    int4: tuple[int, bool] | None = None,
 ) -> Bench:
     """Load `model_path`, or build `preset` with random weights directly on the device (then
-    quantized to FP8 with config.quantization fp8).
+    quantized to FP8 with config.quantization fp8; with int4 = (group size, act order), its
+    projections as random 4-bit GPTQ tensors).
 
     Raises:
         ModelLoadError: the preset cannot take config.quantization (before anything is built).
@@ -64,10 +70,17 @@ def build_bench(
     dtype = resolve_dtype(config.dtype, mc, device)
     config = replace(config, model=PRESET_MODEL, max_model_len=max_model_len)
     if config.tensor_parallel_size > 1:  # every rank builds its share on its own GPU
-        build = RandomPreset(preset, dtype, config.seed, config.quantization)
+        build = (
+            RandomInt4Preset(preset, dtype, config.seed, *int4)
+            if int4 is not None
+            else RandomPreset(preset, dtype, config.seed, config.quantization)
+        )
         return Bench(config, ModelRunner(config, mc, max_model_len, build=build), raw, None)
-    model, raw = build_random_model(preset, dtype, device, seed=config.seed)
-    plan.finish(model)  # online FP8 of the random weights with quantization fp8
+    if int4 is not None:
+        model, raw = build_random_int4_model(preset, dtype, device, config.seed, *int4)
+    else:
+        model, raw = build_random_model(preset, dtype, device, seed=config.seed)
+        plan.finish(model)  # online FP8 of the random weights with quantization fp8
     runner = ModelRunner.from_model(config, model, max_model_len)
     return Bench(config, runner, raw, None)
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from batchgen.distributed.group import TensorParallel
+from batchgen.layers.int4_linear import Int4Linear
 from batchgen.models.config import ModelConfig
 from batchgen.models.loader import build_model
 from batchgen.models.presets import BENCH_PRESETS, PRESET_NAMES, TINY_PRESETS
@@ -81,14 +82,29 @@ class RandomPreset:
 
 
 def parameter_bytes(model: nn.Module) -> int:
-    """Bytes of all unique parameters (tied embedding / head counted once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of all unique parameters (tied embedding / head counted once), 4-bit layers' packed
+    weights, scales and zero points included."""
+    packed = sum(m.packed_bytes() for m in model.modules() if isinstance(m, Int4Linear))
+    return packed + sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def decode_weight_bytes(model: nn.Module) -> int:
+    """Bytes a decode step reads of the weights: parameter_bytes less an untied embedding table
+    (a step reads one row of it per token)."""
+    embed = model.model.embed_tokens.weight
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    return parameter_bytes(model) - (0 if tied else embed.numel() * embed.element_size())
 
 
 def non_embedding_params(model: nn.Module) -> int:
-    """Parameters excluding the token embedding and the LM head."""
+    """Parameters excluding the token embedding and the LM head (a 4-bit layer counts its
+    in x out weights)."""
     return sum(
         p.numel()
         for n, p in model.named_parameters(remove_duplicate=False)
         if "embed_tokens" not in n and not n.startswith("lm_head")
+    ) + sum(
+        m.in_features * m.out_features
+        for n, m in model.named_modules()
+        if isinstance(m, Int4Linear) and not n.startswith("lm_head")
     )

@@ -44,6 +44,8 @@ RESULT_FIELDS = (
     "achieved_tflops",
     "mfu",
     "mfu_vs_nominal_775",
+    "step_roofline_fraction",
+    "achieved_tb_s",
     "gpu",
 )
 TOP_FIELDS = (
@@ -220,6 +222,9 @@ def format_table(report: dict[str, Any]) -> str:
         ("experts/layer/step", "experts_touched_per_layer_step", "num"),
         ("MFU (measured mm)", "mfu", "pct"),
         ("MFU (775 TFLOP/s)", "mfu_vs_nominal_775", "pct"),
+        ("roofline (per step)", "step_roofline_fraction", "pct"),
+        ("step roofline tok/s", "step_roofline_output_tok_s", "num"),
+        ("achieved TB/s", "achieved_tb_s", "num"),
         ("prefix hit rate", "prefix_cache_hit_rate", "pct"),
         ("shared-prefix hits", "shared_prefix_hit_rate", "pct"),
         ("preemptions", "preemptions", "num"),

@@ -13,12 +13,19 @@ import torch
 from batchgen.bench import moe_roofline, roofline
 from batchgen.bench.ceilings import measure_ceilings
 from batchgen.bench.engine_run import Bench, build_bench, run_engine
-from batchgen.bench.random_model import non_embedding_params, parameter_bytes, preset_config
+from batchgen.bench.random_model import (
+    decode_weight_bytes,
+    non_embedding_params,
+    parameter_bytes,
+    preset_config,
+)
 from batchgen.bench.report import environment, hit_rates, median_run, rates
+from batchgen.bench.step_roofline import StepRoofline, step_roofline
 from batchgen.bench.timing import peak_memory_bytes, reset_peak_memory
 from batchgen.bench.workloads import Workload, build_workload, warmup_workload
 from batchgen.config import EngineConfig
 from batchgen.engine.model_runner import resolve_device
+from batchgen.layers.int4_linear import weight_count
 from batchgen.models.config import ModelConfig
 
 
@@ -34,6 +41,9 @@ class BenchOptions:
     num_prompts: int | None = None
     max_output_tokens: int | None = None
     warmup: int = 16
+    quantization: str | None = None  # "gptq": the preset's projections random 4-bit GPTQ
+    int4_group_size: int = 128
+    int4_act_order: bool = False
     structured_schema: str | None = None  # a JSON schema file: constrained run + replay
     # Data parallel (bench/data_parallel.py): this process's share of the requests (index,
     # count), and a call every process makes right before each timed run (a barrier).
@@ -59,8 +69,12 @@ def _result(
     cost: roofline.WorkloadCost,
     ceilings: dict[str, Any],
     peak: int | None,
+    ideal: StepRoofline | None = None,
+    kv_tokens: int | None = None,
 ) -> dict[str, Any]:
     out = {**run, **hit_rates(run, w), "peak_gpu_memory_bytes": peak}
+    if ideal is not None:  # the per-step roofline at the run's KV capacity
+        out.update(ideal.metrics(run["wall_s"], run.get("output_tokens", 0), kv_tokens))
     out.update(
         roofline.roofline_metrics(
             cost,
@@ -70,6 +84,8 @@ def _result(
             ceilings["copy_tb_s"] * 1e12,
         )
     )
+    out.setdefault("step_roofline_fraction", None)  # score workloads, the peer
+    out.setdefault("achieved_tb_s", None)
     out.setdefault("roofline_fraction_steps_taken", None)  # mixture-of-experts models only
     out.setdefault("experts_touched_per_layer_step", None)
     out.setdefault("preemptions", None)
@@ -100,7 +116,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
     ceilings = measure_ceilings(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     reset_peak_memory(device)
     log(f"building {opts.model_path or opts.preset} on {device} ...")
-    bench = build_bench(opts.engine, opts.preset, opts.model_path, max_len)
+    int4 = (opts.int4_group_size, opts.int4_act_order) if opts.quantization == "gptq" else None
+    bench = build_bench(opts.engine, opts.preset, opts.model_path, max_len, int4)
     tuning = bench.runner.tune_report
     if tuning is not None:
         log(
@@ -127,6 +144,17 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         return roofline.workload_cost(shape, wl)
 
     cost = workload_cost(w)
+    kv_tokens = bench.runner.num_kv_blocks * bench.runner.block_size
+    decode_bytes = decode_weight_bytes(model)
+
+    def step_cost(wl: Workload) -> StepRoofline | None:
+        if experts is not None:  # MoE steps read only the experts their tokens reach
+            return None
+        return step_roofline(
+            shape, wl, decode_bytes, kv_tokens, bench.runner.block_size,
+            ceilings["matmul_tflops"] * 1e12, ceilings["copy_tb_s"] * 1e12,
+        )  # fmt: skip
+
     del model  # the peer frees our model; keep no reference here
     structured = None
     if opts.structured_schema is not None:
@@ -135,7 +163,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         log(f"{w.name} with {opts.structured_schema} on every request: {w.num_requests} requests")
 
         def result(run: dict[str, Any], wl: Workload) -> dict[str, Any]:
-            return _result(run, wl, workload_cost(wl), ceilings, peak_memory_bytes(device))
+            return _result(run, wl, workload_cost(wl), ceilings, peak_memory_bytes(device),
+                           step_cost(wl), kv_tokens)  # fmt: skip
 
         structured = run_structured(
             bench, w, opts.structured_schema, opts.repeat, opts.warmup, result, log
@@ -167,9 +196,10 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
             "weights": "checkpoint" if opts.model_path else "random normal(0, 0.02), norms 1",
             "dtype": str(bench.runner.dtype).removeprefix("torch."),
             "kv_cache_dtype": str(bench.runner.kv_dtype).removeprefix("torch."),
-            "parameters": sum(p.numel() for p in bench.runner.model.parameters()),
+            "parameters": weight_count(bench.runner.model),
             "non_embedding_parameters": shape.non_embedding_params,
             "weight_bytes": shape.weight_bytes,
+            "quantization": opts.quantization,
             "kv_bytes_per_token": shape.kv_bytes_per_token,
             "experts": dataclasses.asdict(experts) if experts is not None else None,
             "num_kv_blocks": bench.runner.num_kv_blocks,
@@ -187,7 +217,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         "gemm_tuning": dataclasses.asdict(tuning) if tuning is not None else None,
         "repeat": opts.repeat,
         "runs": runs,
-        "result": _result(median_run(runs), w, cost, ceilings, peak),
+        "result": _result(median_run(runs), w, cost, ceilings, peak, step_cost(w), kv_tokens),
         "prefix_caching_off": None,
         "pipeline": None,
         "peer": None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-WORKLOADS = ("nano", "shared-prefix", "summarize", "score", "pipeline")
+WORKLOADS = ("nano", "shared-prefix", "summarize", "score", "pipeline", "single-stream")
 TEMPERATURE = 0.6
 _NANO_TOKEN_MAX = 10000  # nano-vllm draws randint(0, 10000)
 
@@ -159,12 +159,24 @@ def pipeline(num_prompts: int = 20000, vocab_size: int = 151936) -> Workload:
     return Workload("pipeline", w.prompts, w.max_tokens, shared_prefix_lens=w.shared_prefix_lens)
 
 
+def single_stream(num_prompts: int = 1, vocab_size: int = 151936) -> Workload:
+    """One request (num_prompts of them side by side when scaled): a 128-token prompt and 512
+    output tokens. Its decode steps read every weight for one token each: the speed of one
+    stream, bound by memory bandwidth."""
+    rng = random.Random(4)
+    prompts = [_ids(rng, 128, vocab_size) for _ in range(num_prompts)]
+    return Workload(
+        "single-stream", prompts, [512] * num_prompts, shared_prefix_lens=[0] * num_prompts
+    )
+
+
 _BUILDERS = {
     "nano": nano,
     "shared-prefix": shared_prefix,
     "summarize": summarize,
     "score": score,
     "pipeline": pipeline,
+    "single-stream": single_stream,
 }
 
 

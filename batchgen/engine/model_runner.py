@@ -44,6 +44,7 @@ from batchgen.kernels import ops
 from batchgen.kernels.fp8 import FP8_DTYPE
 from batchgen.layers import linear
 from batchgen.layers.context import AttentionContext
+from batchgen.layers.int4_linear import weight_count
 from batchgen.models.config import ModelConfig
 from batchgen.models.loader import CheckpointLoader
 
@@ -180,7 +181,8 @@ class ModelRunner:
         self.block_size = self.config.block_size
         self.max_model_len = max_model_len
         # Every rank has its share: the whole model's size is their sum.
-        num_params = self._agree("loaded", sum(p.numel() for p in self.model.parameters()), sum)
+        # (4-bit projections count their in x out weights.)
+        num_params = self._agree("loaded", weight_count(self.model), sum)
         # Mixed-step graphs: rank 0's switch holds for every rank (mixed_graph.py).
         mixed_graphs = self.tp is None or self._agree(
             "mixed graphs", bool(mixed_graph.TENSOR_PARALLEL_MIXED_GRAPHS), lambda vs: vs[0]

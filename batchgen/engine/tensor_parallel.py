@@ -22,7 +22,9 @@ from batchgen.config import ConfigError, EngineConfig
 from batchgen.distributed.group import TensorParallel, make_store
 from batchgen.distributed.partition import check_divides, check_gpu_count
 from batchgen.distributed.workers import MONITOR_INTERVAL_S, WorkerPool
+from batchgen.models.checkpoint_check import check_checkpoint
 from batchgen.models.config import ModelConfig
+from batchgen.models.loader import CheckpointLoader
 from batchgen.models.quantization import load_plan
 
 WORKER_MODULE = "batchgen.engine.tp_worker"
@@ -81,10 +83,14 @@ def start_tensor_parallel(
 
     Raises:
         ConfigError: the size cannot split the model, too few GPUs, the group cannot start.
+        ModelLoadError: the checkpoint's headers do not fit its config, or its 4-bit tensors
+            cannot split over the ranks (checked here, before any worker starts).
         TensorParallelError: a worker died or failed while starting.
     """
     check_tensor_parallel(config, model_config)
     size = config.tensor_parallel_size
+    if isinstance(build, CheckpointLoader):
+        check_checkpoint(build.path, model_config, build.allow_pickle, size)
     store = make_store(0, size, 0)
 
     def setup(rank: int) -> WorkerSetup:

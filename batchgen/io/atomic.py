@@ -150,15 +150,23 @@ def publish(tmp: str, final: str) -> bool:
 
 
 def publish_bytes(final: str, data: bytes) -> bool:
-    """Create `final` holding `data` unless it exists (see publish)."""
-    tmp = temp_path(final)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
-            _raise_named(e, final)
-        raise
-    return publish(tmp, final)
+    """Create `final` holding `data` unless it exists (see publish). The data is in memory, so
+    a temp removed as debris by a run that took the shard over is written once more: that run
+    removes a shard's temps once, when it takes the lock."""
+    for attempt in (1, 2):
+        tmp = temp_path(final)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+        except BaseException as e:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            if isinstance(e, OSError):
+                _raise_named(e, final)
+            raise
+        try:
+            return publish(tmp, final)
+        except LostTemp:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")

@@ -212,7 +212,7 @@ def try_acquire(
 ) -> HeldLock | LockInfo:
     """Take the lock at `path`: a HeldLock, or the LockInfo of the live holder in the way.
     A stale lock in the way is broken first."""
-    for _ in range(8):
+    for _ in range(50):
         holder = holder_record(what, task)
         held = _create(path, holder)
         if held is not None:
@@ -222,7 +222,8 @@ def try_acquire(
             continue  # released meanwhile: try again
         if info.live:
             return info
-        break_stale(info)
+        if not break_stale(info):
+            time.sleep(0.01)  # another process is breaking it: look again shortly
     info = inspect(path, lease_s)
     if info is not None and info.live:
         return info
@@ -264,24 +265,40 @@ def take_over(info: LockInfo, what: str, task: str = "") -> HeldLock:
     return held
 
 
-def break_stale(info: LockInfo) -> None:
-    """Remove the stale lock `info` saw. Renamed aside first: of several breakers only one
-    moves it; if what moved was a newer, live lock (taken since `info` was read), it is put
-    back unless yet another lock took the name meanwhile."""
-    aside = f"{info.path}.broken-{secrets.token_hex(4)}"
+# A breaker's guard older than this was left by a breaker that died mid-break: removed.
+_GUARD_STALE_S = 30.0
+
+
+def break_stale(info: LockInfo) -> bool:
+    """Remove the stale lock `info` saw; False if another process is breaking it right now
+    (the caller retries). Breakers take a guard file (`<lock>.breaking`, O_EXCL) and, under
+    it, remove the lock only if it is still the one `info` saw (same holder token, or the
+    same mtime for an unreadable one). While the stale lock holds the name no new lock can be
+    created, so no breaker ever removes a lock taken after `info` was read."""
+    guard = f"{info.path}.breaking"
     try:
-        os.rename(info.path, aside)
-    except FileNotFoundError:
-        return
+        os.close(os.open(guard, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:
+        with contextlib.suppress(OSError):
+            if time.time() - os.stat(guard).st_mtime > _GUARD_STALE_S:
+                os.unlink(guard)
+        return False
     try:
-        with open(aside, encoding="utf-8") as f:
-            moved = json.load(f)
-    except (OSError, ValueError):
-        moved = {}
-    if info.holder and moved.get("token") != info.holder.get("token"):
-        with contextlib.suppress(FileExistsError):
-            os.link(aside, info.path)
-    os.unlink(aside)
+        now = inspect(info.path, float("inf"))
+        if now is None:
+            return True  # gone already
+        same = (
+            now.holder.get("token") == info.holder.get("token")
+            if info.holder
+            else not now.holder and now.mtime == info.mtime
+        )
+        if same:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(info.path)
+        return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(guard)
 
 
 def list_locks(out_dir: str, lease_s: float = DEFAULT_LEASE_S) -> list[LockInfo]:

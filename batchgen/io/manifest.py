@@ -42,7 +42,7 @@ _TEMP = re.compile(
     + re.escape(atomic.TMP_MARK)
     + r"(?P<pid>\d+)-(?P<token>[0-9a-f]+)$"
 )
-_BROKEN_LOCK = re.compile(r"^[\w.-]+\.lock\.broken-[0-9a-f]+$")
+_BROKEN_LOCK = re.compile(r"^[\w.-]+\.lock\.(broken-[0-9a-f]+|breaking)$")
 
 
 def _read_json(path: str) -> dict | None:
@@ -109,6 +109,11 @@ def read_job(out_dir: str) -> dict | None:
 
 def write_job(out_dir: str, job: dict) -> None:
     write_json(os.path.join(out_dir, JOB_FILE), job)
+
+
+def read_stats(out_dir: str) -> dict | None:
+    """`_stats.json` (job totals and the last run's numbers), or None."""
+    return _read_json(os.path.join(out_dir, STATS_FILE))
 
 
 def entry_path(out_dir: str, k: int) -> str:

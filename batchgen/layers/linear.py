@@ -2,7 +2,8 @@
 residual += x @ W^T (`add_linear_`), through a cuBLASLt algorithm registered for the exact shape
 (batchgen.layers.gemm_tuning registers the ones that beat cuBLAS), else through torch (F.linear /
 addmm / mm: cuBLAS's own pick; always on CPU). An FP8 weight (batchgen.layers.fp8_linear) runs
-its layer's FP8 product instead.
+its layer's FP8 product instead, a 4-bit one (its packed int32 tensor,
+batchgen.layers.int4_linear) its layer's 4-bit product.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from batchgen.kernels.fp8 import FP8_DTYPE
 from batchgen.layers.fp8_linear import fp8_linear
+from batchgen.layers.int4_linear import int4_linear
 
 # (rows, N, K, weight K-major, accumulate, x row stride, dtype, device index) -> (product, algo)
 _TUNED: dict[tuple, tuple] = {}
@@ -53,6 +55,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N]."""
     if weight.dtype == FP8_DTYPE:
         return fp8_linear(x, weight.fp8_layer, bias)
+    if weight.dtype == torch.int32:
+        return int4_linear(x, weight.int4_layer, bias)
     entry = _tuned(x, weight, False) if bias is None else None
     if entry is None:
         return F.linear(x, weight, bias)
@@ -65,6 +69,8 @@ def add_linear_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -
     residual."""
     if weight.dtype == FP8_DTYPE:
         return residual.add_(fp8_linear(x, weight.fp8_layer))
+    if weight.dtype == torch.int32:
+        return int4_linear(x, weight.int4_layer, residual=residual)
     ok = residual.is_contiguous() and residual.dtype == x.dtype
     entry = _tuned(x, weight, True) if ok else None
     if entry is None:
@@ -78,6 +84,8 @@ def linear_out_(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tor
     old values are never read); returns out."""
     if weight.dtype == FP8_DTYPE:
         return out.copy_(fp8_linear(x, weight.fp8_layer))
+    if weight.dtype == torch.int32:
+        return int4_linear(x, weight.int4_layer, out=out)
     ok = out.is_contiguous() and out.dtype == x.dtype
     entry = _tuned(x, weight, False) if ok else None
     if entry is None:

@@ -5,6 +5,10 @@ anything loads, so a config that does not belong to its weights (a vocabulary of
 the layers, another hidden size) is refused in milliseconds with the file, tensor and config
 keys named, instead of after allocating the model it describes. Pickle checkpoints have no
 header to read: only their config's bounds are checked here; the loader checks the shapes.
+A checkpoint with a 4-bit quantization_config (batchgen/models/int4) has its format's tensors
+checked in place of the 16-bit weights of the modules it quantizes; one with another (FP8)
+quantization_config may hold e4m3 weights and their scale tensors (batchgen.models.quantization
+says which it runs).
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ import os
 
 from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
+from batchgen.models.int4.checkpoint import Int4Checkpoint, read_int4_checkpoint
+from batchgen.models.int4.scheme import is_int4_config
+from batchgen.models.int4.tp_slices import check_split
 from batchgen.models.moe_config import expert_tensor_shapes
 from batchgen.models.quantization.kv_scales import kv_scale_slot
 from batchgen.models.safetensors_header import TensorInfo, read_header
@@ -87,15 +94,41 @@ def checkpoint_headers(path: str, allow_pickle: bool = False) -> dict[str, Tenso
     return tensors
 
 
-def check_checkpoint(path: str, config: ModelConfig, allow_pickle: bool = False) -> None:
+def check_checkpoint(
+    path: str, config: ModelConfig, allow_pickle: bool = False, tensor_parallel_size: int = 1
+) -> Int4Checkpoint | None:
     """Raise ModelLoadError unless the weights in `path` are exactly what `config` describes:
-    every tensor present once, with the expected shape and a float dtype, and no other."""
+    every tensor present once, with the expected shape and a float dtype, and no other; a 4-bit
+    checkpoint must also split over tensor_parallel_size ranks (int4/tp_slices.check_split).
+
+    Returns:
+        The checkpoint's 4-bit modules and scheme when config.json has a (supported)
+        quantization_config, else None.
+    """
+    source = os.path.join(path, "config.json")
+    qc = config.quantization_config
+    int4 = qc is not None and is_int4_config(qc)
     tensors = checkpoint_headers(path, allow_pickle)
     if tensors is None:
-        return
-    source = os.path.join(path, "config.json")
+        if int4:
+            raise ModelLoadError(f"{path}: 4-bit checkpoints load from safetensors files only")
+        return None
     expected = expected_shapes(config)
-    quantized = config.quantization_config is not None
+    quant = None
+    if int4:
+        if config.moe is not None:
+            raise ModelLoadError(
+                f"{source}: quantized mixture-of-experts checkpoints are not supported yet "
+                f"(quantization_config with {config.architecture})"
+            )
+        projections = {n: s for n, (s, _) in expected.items() if len(s) == 2 and "embed" not in n}
+        try:
+            quant = read_int4_checkpoint(qc, source, projections, tensors)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+        for module in quant.modules:
+            del expected[module + ".weight"]
+    quantized = qc is not None and not int4  # FP8: e4m3 weights beside their scales
     for name, (shape, keys) in expected.items():
         info = tensors.get(name)
         if info is None:
@@ -120,10 +153,12 @@ def check_checkpoint(path: str, config: ModelConfig, allow_pickle: bool = False)
             f"{_layers_in(tensors)} layer(s)): {_names(missing)}"
         )
     tied_copy = "lm_head.weight" if config.tie_word_embeddings else None
+    known = set(quant.tensors) if quant is not None else set()
     unused = [
         n
         for n in tensors
         if n not in expected
+        and n not in known
         and n != tied_copy
         and not n.endswith("rotary_emb.inv_freq")
         and kv_scale_slot(n) is None  # K/V-cache scales (an FP8 KV cache's)
@@ -135,6 +170,9 @@ def check_checkpoint(path: str, config: ModelConfig, allow_pickle: bool = False)
             f"describe (a {config.architecture} of {config.num_hidden_layers} layer(s)): "
             f"{_names(unused)}"
         )
+    if quant is not None:
+        check_split(quant, config, tensor_parallel_size)
+    return quant
 
 
 def _config_value(config: ModelConfig, key: str) -> int:

@@ -276,30 +276,10 @@ class LlamaForCausalLM(nn.Module):
             return [p.num_heads * p.head_dim, kv, kv]
         return [p.intermediate_size, p.intermediate_size]
 
-    # Hugging Face module -> the rows of its weight (dim 0) or columns (dim 1) a rank holds.
-    _COLUMN_PARALLEL = {
-        "q_proj": Partition.q_rows,
-        "k_proj": Partition.kv_rows,
-        "v_proj": Partition.kv_rows,
-        "gate_proj": Partition.intermediate_rows,
-        "up_proj": Partition.intermediate_rows,
-        "embed_tokens": Partition.vocab_rows,
-        "lm_head": Partition.vocab_rows,
-    }
-    _ROW_PARALLEL = {"o_proj": Partition.q_rows, "down_proj": Partition.intermediate_rows}
-
     def tp_slice(self, hf_name: str) -> tuple[int, RowBlock] | None:
         """The part of checkpoint tensor `hf_name` this rank loads: (dim, block), or None for
         the whole tensor (without tensor parallel; norms; o / down biases)."""
-        parts = hf_name.split(".")
-        if self.tp is None or len(parts) < 2:
-            return None
-        module, kind = parts[-2:]
-        if module in self._COLUMN_PARALLEL:
-            return 0, self._COLUMN_PARALLEL[module](self.part)
-        if module in self._ROW_PARALLEL and kind == "weight":
-            return 1, self._ROW_PARALLEL[module](self.part)
-        return None
+        return None if self.tp is None else weight_block(self.part, hf_name)
 
     @property
     def norms_folded(self) -> bool:
@@ -308,13 +288,14 @@ class LlamaForCausalLM(nn.Module):
     def can_fold_norms(self) -> bool:
         """Folding needs bias-free qkv and gate_up projections (a bias is added after the
         row scale, which would scale it too) with 16-bit weights (an FP8 weight times the norm
-        weight would need quantizing again)."""
+        weight would need quantizing again; a norm weight does not fold into 4-bit group
+        scales)."""
         if not self.model.layers or self.config.qkv_bias or self.config.mlp_bias:
             return False
         # A checkpoint may quantize some projections only (its ignore list): check each.
         return all(
-            layer.self_attn.qkv_proj.weight.itemsize >= 2
-            and layer.mlp.gate_up_proj.weight.itemsize >= 2
+            plain_weight(layer.self_attn.qkv_proj.weight)
+            and plain_weight(layer.mlp.gate_up_proj.weight)
             for layer in self.model.layers
         )
 
@@ -368,21 +349,21 @@ class LlamaForCausalLM(nn.Module):
             if leaf == "lm_head" and self.config.tie_word_embeddings:
                 continue
             weight = module.weight
-            if weight.itemsize < 2:
-                continue  # FP8: the GEMM takes the TN layout only (row-major [N, K] weights)
+            if not plain_weight(weight):
+                continue  # FP8: the GEMM takes the TN layout only; 4-bit: its packed layout
             if weight.dim() == 2 and weight.stride(0) != 1:  # not K-major yet
                 weight.data = weight.data.t().contiguous().t()  # [N, K] with strides (1, N)
 
     def projection_groups(self) -> list[tuple[list[torch.Tensor], bool]]:
         """The decoder's projections for layers.linear.tune_projections: per projection, its
         weight in every layer and whether the model adds it into the residual stream (o and
-        down with folded norms). Projections with a bias or FP8 weights are left out."""
+        down with folded norms). Projections with a bias, FP8 or 4-bit weights are left out."""
         groups = []
         for attr, path in (("qkv_proj", "self_attn"), ("o_proj", "self_attn"),
                            ("gate_up_proj", "mlp"), ("down_proj", "mlp")):  # fmt: skip
             mods = [getattr(getattr(layer, path), attr) for layer in self.model.layers]
-            if any(m.bias is not None or m.weight.itemsize < 2 for m in mods):
-                continue  # torch runs biased projections; FP8 ones run their own GEMMs
+            if any(m.bias is not None or not plain_weight(m.weight) for m in mods):
+                continue  # torch runs biased projections; FP8 / 4-bit ones their own kernels
             # Folded, o / down add into the residual stream; on tensor-parallel ranks but the
             # first they overwrite their copy of it instead (_output_projection).
             first = self.tp is None or self.tp.rank == 0
@@ -403,3 +384,37 @@ class LlamaForCausalLM(nn.Module):
         if self.tp is None:
             return logits
         return self.tp.gather_columns(logits)
+
+
+def plain_weight(weight: torch.Tensor) -> bool:
+    """A 16- or 32-bit float weight: not FP8 (itemsize 1), not a 4-bit layer's packed int32."""
+    return weight.is_floating_point() and weight.itemsize >= 2
+
+
+# Hugging Face module -> the rows of its weight (dim 0) or columns (dim 1) a rank holds.
+_COLUMN_PARALLEL = {
+    "q_proj": Partition.q_rows,
+    "k_proj": Partition.kv_rows,
+    "v_proj": Partition.kv_rows,
+    "gate_proj": Partition.intermediate_rows,
+    "up_proj": Partition.intermediate_rows,
+    "embed_tokens": Partition.vocab_rows,
+    "lm_head": Partition.vocab_rows,
+}
+_ROW_PARALLEL = {"o_proj": Partition.q_rows, "down_proj": Partition.intermediate_rows}
+
+
+def weight_block(part: Partition, hf_name: str) -> tuple[int, RowBlock] | None:
+    """The (dim, block) of checkpoint tensor `hf_name` rank `part` holds: rows (dim 0) of the
+    column-parallel projections' weights and biases, the embedding and the LM head; columns
+    (dim 1) of the row-parallel o / down weights; None for the whole tensor (norms; o / down
+    biases)."""
+    parts = hf_name.split(".")
+    if len(parts) < 2:
+        return None
+    module, kind = parts[-2:]
+    if module in _COLUMN_PARALLEL:
+        return 0, _COLUMN_PARALLEL[module](part)
+    if module in _ROW_PARALLEL and kind == "weight":
+        return 1, _ROW_PARALLEL[module](part)
+    return None

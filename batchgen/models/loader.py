@@ -11,6 +11,7 @@ from batchgen.distributed.group import TensorParallel
 from batchgen.models.checkpoint_check import check_checkpoint
 from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
+from batchgen.models.int4.plan import Int4LoadPlan
 from batchgen.models.quantization import load_plan
 from batchgen.models.registry import model_class
 from batchgen.models.weight_files import find_weight_files
@@ -67,10 +68,14 @@ def load_model(
     config = ModelConfig.from_dir(path)
     # A quantization_config (or option) batchgen cannot run is refused by name first; then the
     # weights' headers are checked against the config before the model it describes is built.
-    plan = load_plan(config, quantization, f"{path}/config.json", tp.size if tp else 1)
-    check_checkpoint(path, config, allow_pickle)
+    size = tp.size if tp is not None else 1
+    plan = load_plan(config, quantization, f"{path}/config.json", size)
+    int4 = check_checkpoint(path, config, allow_pickle, size)
     device = torch.device(device)
-    model = build_model(config, resolve_dtype(dtype, config, device), device, tp)
+    dtype = resolve_dtype(dtype, config, device)
+    if int4 is not None:  # 4-bit projections: built on meta, never allocated in 16 bits
+        plan = Int4LoadPlan(int4, device, dtype)
+    model = build_model(config, dtype, plan.build_device(device), tp)
     plan.prepare(model)
     files = find_weight_files(path, allow_pickle)
     select = plan.tp_select(model.tp_slice) if tp is not None else None

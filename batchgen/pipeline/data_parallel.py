@@ -25,6 +25,7 @@ import multiprocessing
 import os
 import re
 import signal
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -210,7 +211,7 @@ class WorkerPool:
                 w.process.kill()
                 w.process.join()
             for info in self._locks_of(w).values():
-                locks.break_stale(info)
+                _break(info)
 
     # ------------------------------------------------------------------------------ failures
 
@@ -229,7 +230,7 @@ class WorkerPool:
         left = self._locks_of(w)
         shards = {int(m.group(1)): left.pop(n) for n in list(left) if (m := _SHARD_LOCK.match(n))}
         for info in left.values():
-            locks.break_stale(info)
+            _break(info)
         code = w.process.exitcode
         if code == 0 or (w.done is not None and code == w.done):
             if w.done not in (None, 0) and not self.r.stop.is_set():
@@ -243,7 +244,7 @@ class WorkerPool:
             if k in lost:
                 self.failures.setdefault(k, []).append(f"{w.name} {w.outcome()}")
             if len(self.failures.get(k, ())) < 2 or k not in lost:
-                locks.break_stale(info)
+                _break(info)
                 if k in lost:
                     self.log(f"data parallel: shard {k} goes back to the queue for another worker")
                 continue
@@ -277,6 +278,14 @@ class WorkerPool:
             "committed shards are kept: run the same command again to retry them",
         )
         return False
+
+
+def _break(info: locks.LockInfo) -> None:
+    """Remove a lock an ended worker left (waiting out another breaker at it)."""
+    for _ in range(1000):
+        if locks.break_stale(info):
+            return
+        time.sleep(0.01)
 
 
 def _signal(pid: int, name: str) -> None:

@@ -101,13 +101,13 @@ def model_limits(job: JobSpec) -> ModelLimits:
     from batchgen.models.quantization import load_plan
     from batchgen.models.weight_files import has_weight_files
 
+    engine = job.model.engine_config()
     try:
         mc = ModelConfig.from_dir(job.model.path)
         # A quantization_config batchgen cannot run fails here, before the weights load.
-        engine = job.model.engine_config()
         load_plan(mc, engine.quantization, f"{job.model.path}/config.json")
-        if has_weight_files(job.model.path):
-            check_checkpoint(job.model.path, mc, engine.allow_pickle)
+        if has_weight_files(job.model.path):  # (a 4-bit one must split over the ranks too)
+            check_checkpoint(job.model.path, mc, engine.allow_pickle, engine.tensor_parallel_size)
     except ModelLoadError as e:
         raise JobError(f"model.path: {e}") from None
     try:  # a tensor_parallel_size this model or machine cannot take, before anything loads

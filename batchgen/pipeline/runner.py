@@ -179,7 +179,7 @@ class Runner:
             self.log(note)
         self.layout = self.mode.layout(tuple(self.plan.columns.items()), job.model.name)
         self.committer = ShardCommitter(
-            self.out_dir, self.layout, self.fingerprint, self.mode, self.log
+            self.out_dir, self.layout, self.fingerprint, self.mode, self.log, self.task
         )
         self._temps = self._sort_temps()
         self.committed = manifest.committed_shards(self.out_dir, self.fingerprint, self.shard.owns)
@@ -293,6 +293,7 @@ class Runner:
 
     def read_shard(self, k: int) -> list[InputRow]:
         """Shard k's units, read from its position in the shard plan."""
+        self.committer.note_start(k)  # the start of its rows' interval in the job's timeline
         first, stop = self.plan.shard_units(k)
         # One chunk: the shard is held whole anyway, and a Parquet chunk decodes every row
         # group it touches (chunks smaller than a row group would decode it again and again).
@@ -369,8 +370,7 @@ class Runner:
                 self.stats = RunStats(shards_skipped=len(self.own_entries))
                 owned = [k for k in range(self.plan.num_shards) if self.shard.owns(k)]
                 todo = [k for k in owned if k not in self.committed]
-                units = sum(self.plan.shard_units(k)[1] - self.plan.shard_units(k)[0] for k in todo)
-                self.progress = self.make_progress(units)
+                self.progress = self.make_progress(self._rows_owed(todo))
                 try:
                     finished = self.shard_loop(self, todo)
                 finally:
@@ -382,6 +382,16 @@ class Runner:
                 if self.keeper is not None:
                     self.keeper.close()
                     locks.tidy(self.out_dir, self.lease_s)
+
+    def _rows_owed(self, todo: list[int]) -> int:
+        """Rows (units) of the shards still to do, less those their committed pieces hold:
+        what this run will generate, the progress bar's total."""
+        held = pieces.list_pieces(self.out_dir, self.fingerprint)
+        owed = 0
+        for k in todo:
+            first, stop = self.plan.shard_units(k)
+            owed += stop - first - len(pieces.usable(held.get(k, []))[1])
+        return owed
 
     def _job_entries(self) -> dict[int, dict]:
         """Every shard entry of this job (read, not verified: for the totals only)."""
@@ -406,9 +416,14 @@ class Runner:
             complete = manifest.mark_success_if_complete(self.out_dir, self.fingerprint, num_shards)
             if complete:
                 pieces.remove_superseded(self.out_dir, set(range(num_shards)))
-        stats = write_stats(self.out_dir, self.stats, self._job_entries, str(self.shard))
+        stats = write_stats(
+            self.out_dir, self.stats, self._job_entries, str(self.shard), self.fingerprint
+        )
         task_totals = job_totals(self.own_entries)
-        lines = summary_lines(self.stats, task_totals, stats["job"], num_shards, self.shard)
+        noop = stats["last_run"] if finished and self.stats.did_nothing else None
+        lines = summary_lines(
+            self.stats, task_totals, stats["job"], num_shards, self.shard, last_run=noop
+        )
         if self.plan.mixed_columns:
             lines.append(
                 f"written as text (their values mix kinds): {', '.join(self.plan.mixed_columns)}"

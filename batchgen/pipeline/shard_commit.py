@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import time
 from collections.abc import Callable
 
 from batchgen.io import manifest, pieces
@@ -52,11 +54,38 @@ class ShardCommitter:
         fingerprint: the job fingerprint (recorded in every entry and Parquet footer).
         mode: the job mode (counters of a list of rows, its coverage check).
         log: where messages go.
+        task: the committing task (`--shard I/N` and holder note), recorded in each timeline
+            event with the host and this run's start.
     """
 
-    def __init__(self, out_dir: str, layout: ShardLayout, fingerprint: str, mode, log: Callable):
+    def __init__(
+        self,
+        out_dir: str,
+        layout: ShardLayout,
+        fingerprint: str,
+        mode,
+        log: Callable,
+        task: str = "",
+    ):
         self.out_dir, self.layout, self.fingerprint = out_dir, layout, fingerprint
         self.mode, self.log = mode, log
+        self.origin = {"task": task, "host": socket.gethostname(), "run_started": time.time()}
+        self.started: dict[int, float] = {}  # shard -> when this run began working on it
+
+    def note_start(self, k: int) -> None:
+        """This run begins work on shard k now (it read the shard's rows)."""
+        self.started[k] = time.time()
+
+    def event(self, k: int, rows: int, totals: dict) -> dict:
+        """A timeline event: `rows` input rows (units) of shard k and their generated tokens,
+        made by this run between `started` (the shard's start, or its last piece) and now.
+        `batchgen status --plot` draws throughput and rows over time from these events."""
+        now = time.time()
+        tokens = int(totals.get("num_generated_tokens", 0))
+        started = min(self.started.get(k, now), now)
+        self.started[k] = now  # the next rows of this shard are made from now on
+        event = {"at": now, "started": started, "rows": rows, "generated_tokens": tokens}
+        return {**event, **self.origin}
 
     def part_path(self, k: int) -> str:
         return os.path.join(self.out_dir, shard_file(k, self.layout.fmt))
@@ -112,7 +141,13 @@ class ShardCommitter:
         add_totals(totals, new)
         if "units" in totals:  # score mode: rows are the file's rows (one per candidate)
             totals["rows"] = batch.num_rows
-        meta = {**totals, "fingerprint": self.fingerprint, "shard": k}
+        # When the shard's rows were made: its pieces' events, then this commit's new rows.
+        timeline = [e for p in taken for e in p.entry.get("timeline", [])]
+        new_rows = units[1] - units[0] - sum(len(p.units) for p in taken)
+        if new_rows > 0:
+            timeline.append(self.event(k, new_rows, new))
+        self.started.pop(k, None)
+        meta = {**totals, "fingerprint": self.fingerprint, "shard": k, "timeline": timeline}
         published, size, sha = publish_file(self.part_path(k), batch, self.layout, meta)
         if not published:
             self.log(f"shard {k} was committed by another process meanwhile; keeping its file")
@@ -138,6 +173,7 @@ class ShardCommitter:
         if not rows:
             return None
         fields = {**self.mode.totals(rows), "fingerprint": self.fingerprint}
+        fields["timeline"] = [self.event(k, len({r.index for r in rows}), fields)]
         return pieces.commit_piece(self.out_dir, k, encode(rows, self.layout), self.layout, fields)
 
 

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from batchgen.io import locks, pieces
+from batchgen.io import atomic, locks, pieces
 from batchgen.io.pieces import Piece
 from batchgen.plan.planner import Request
 from batchgen.plan.prompts import RenderStopped
@@ -159,7 +159,13 @@ class ShardLoop:
         shard = self.open.pop(k)
         r = self.r
         try:
-            done = r.committer.commit_full(k, shard.units, shard.results, shard.taken)
+            try:
+                done = r.committer.commit_full(k, shard.units, shard.results, shard.taken)
+            except atomic.LostTemp:
+                # This run was paused past its lease and another took the shard over (and
+                # removed this run's temp as debris): the shard is that run's to commit.
+                r.log(f"shard {k}: taken over by another run while this one was paused")
+                return
             if done is not None:
                 entry, new = done
                 r.note_committed(k, entry, new)

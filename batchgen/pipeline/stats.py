@@ -37,6 +37,14 @@ class RunStats:
         self.shards_committed += 1
 
     @property
+    def did_nothing(self) -> bool:
+        """No row generated and nothing committed: every owned shard was done already (or the
+        run stopped before any row finished)."""
+        return not (
+            self.rows_ok or self.rows_error or self.shards_committed or self.pieces_committed
+        )
+
+    @property
     def tokens_per_s(self) -> float:
         return self.num_generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
@@ -70,9 +78,17 @@ def job_totals(entries: dict[int, dict]) -> dict:
 
 
 def write_stats(
-    out_dir: str, run: RunStats, read_entries: Callable[[], dict[int, dict]], task: str
+    out_dir: str,
+    run: RunStats,
+    read_entries: Callable[[], dict[int, dict]],
+    task: str,
+    fingerprint: str | None = None,
 ) -> dict:
-    """Write `_stats.json`: job totals over committed shards plus this run's own counters.
+    """Write `_stats.json`: job totals over committed shards plus the last real run's counters.
+
+    A run that did nothing (a rerun finding every shard committed) keeps the `last_run` of the
+    same job (`fingerprint`; a file from before the fingerprint was recorded counts as the
+    same, as --overwrite removes another job's) as it was, rather than replace it with zeros.
 
     Slurm tasks that finish together each write the file, and the last write wins. A task that
     read the committed shards just before another task's final commit would leave totals
@@ -80,9 +96,15 @@ def write_stats(
     again while they changed. The last writer's final read then follows every commit whose
     task wrote before it. Returns what was written last.
     """
+    last = {**run.to_dict(), "task": task}
+    if run.did_nothing:
+        before = manifest.read_stats(out_dir) or {}
+        same = before.get("fingerprint") in (None, fingerprint)
+        if same and isinstance(before.get("last_run"), dict):
+            last = before["last_run"]
     entries = read_entries()
     while True:
-        stats = {"job": job_totals(entries), "last_run": {**run.to_dict(), "task": task}}
+        stats = {"job": job_totals(entries), "last_run": last, "fingerprint": fingerprint}
         manifest.write_json(os.path.join(out_dir, manifest.STATS_FILE), stats)
         latest = read_entries()
         if latest.keys() == entries.keys():
@@ -90,8 +112,21 @@ def write_stats(
         entries = latest
 
 
+def last_run_line(last: dict) -> str:
+    """The `last_run` of `_stats.json` in one line."""
+    return (
+        f"last run (task {last['task']}): {last['rows_ok'] + last['rows_error']} rows in "
+        f"{last['wall_s']:.1f} s, {last['tokens_per_s']:.1f} generated tok/s"
+    )
+
+
 def summary_lines(
-    run: RunStats, task: dict, job: dict, num_shards: int | None, shard: ShardSelector
+    run: RunStats,
+    task: dict,
+    job: dict,
+    num_shards: int | None,
+    shard: ShardSelector,
+    last_run: dict | None = None,
 ) -> list[str]:
     """The end-of-run summary. Shards, rows and tokens are the task's own shards' (over every
     run of the task); a task of several adds one line of the job's totals so far, which the
@@ -102,6 +137,8 @@ def summary_lines(
         task / job: job_totals of the task's committed shards / of every committed shard.
         num_shards: the job's shard count (None when the input was not read to the end).
         shard: which shards the task owns.
+        last_run: for a finished run that had nothing to do, `_stats.json`'s last real run,
+            shown instead of this run's zeros.
     """
     of = shard.task_label()
     owned = shard.num_owned(num_shards) if num_shards is not None else "?"
@@ -111,9 +148,16 @@ def summary_lines(
         f"rows{of}: {task['ok']} ok, {task['errors']} error(s)",
         f"tokens{of}: {task['num_prompt_tokens']} prompt ({task['num_cached_tokens']} cached, "
         f"hit rate {task['cache_hit_rate']:.1%}), {task['num_generated_tokens']} generated",
-        f"this run: {run.rows_ok + run.rows_error} rows in {run.wall_s:.1f} s, "
-        f"{run.tokens_per_s:.1f} generated tok/s",
     ]
+    if last_run is None:
+        lines.append(
+            f"this run: {run.rows_ok + run.rows_error} rows in {run.wall_s:.1f} s, "
+            f"{run.tokens_per_s:.1f} generated tok/s"
+        )
+    else:
+        lines.append(f"nothing to do: every shard{of} was already committed")
+        if last_run.get("rows_ok", 0) + last_run.get("rows_error", 0):
+            lines.append(last_run_line(last_run))
     if run.pieces_committed:
         lines.append(
             f"partial: {run.pieces_committed} unfinished shard(s) keep their finished rows as "

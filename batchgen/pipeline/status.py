@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -10,7 +9,7 @@ from batchgen.io import locks, manifest, pieces
 from batchgen.io.arrow_types import MIXED
 from batchgen.io.shard_plan import read_plan
 from batchgen.job import JobError
-from batchgen.pipeline.stats import job_totals
+from batchgen.pipeline.stats import job_totals, last_run_line
 
 
 def _ago(t: float) -> str:
@@ -26,7 +25,10 @@ def status_lines(out_dir: str) -> list[str]:
     entries = manifest.read_entries(out_dir)
     entries = {k: e for k, e in entries.items() if e.get("fingerprint") == fp}
     totals = job_totals(entries)
-    total = job.get("num_shards")
+    plan = read_plan(out_dir)
+    # The plan knows the shard count from the moment it is written (before any shard is done);
+    # _job.json records it too once a run has read the plan.
+    total = plan.num_shards if plan is not None else job.get("num_shards")
     done = os.path.exists(os.path.join(out_dir, manifest.SUCCESS_FILE))
     lines = [
         f"{out_dir}: {'complete' if done else 'in progress'}",
@@ -42,7 +44,6 @@ def status_lines(out_dir: str) -> list[str]:
             f"partial: {held} finished row(s) of {len(partial)} unfinished shard(s) kept in "
             f"{sum(len(p) for p in partial.values())} piece(s) ({pieces.PARTIAL_DIR}/)"
         )
-    plan = read_plan(out_dir)
     if plan is not None:
         mixed = [c for c, t in plan.columns.items() if t == MIXED]
         lines.append(
@@ -51,15 +52,11 @@ def status_lines(out_dir: str) -> list[str]:
             + (f"; written as text (mixed kinds): {', '.join(mixed)}" if mixed else "")
         )
     lines += _lock_lines(out_dir)
+    last = (manifest.read_stats(out_dir) or {}).get("last_run")
     try:
-        with open(os.path.join(out_dir, manifest.STATS_FILE)) as f:
-            last = json.load(f)["last_run"]
-        lines.append(
-            f"last run (task {last['task']}): {last['wall_s']:.1f} s, "
-            f"{last['tokens_per_s']:.1f} generated tok/s"
-        )
-    except (OSError, ValueError, KeyError):
-        pass
+        lines.append(last_run_line(last))
+    except (TypeError, KeyError, ValueError):
+        pass  # no run has finished yet, or a file this version does not read
     return lines
 
 

@@ -140,6 +140,35 @@ def test_model_hub_id_is_resolved_before_anything_runs(tmp_path, monkeypatch):
     assert result.exit_code == 2 and "needs --model" in result.output
 
 
+def test_gptq_single_stream_smoke(tmp_path):
+    # Random 4-bit GPTQ projections (one group per channel: the tiny preset's 64 / 176 inputs),
+    # one stream; the report carries the per-step roofline and the bandwidth drawn.
+    report = _run(tmp_path, "--workload", "single-stream", "--quantization", "gptq",
+                  "--int4-group-size", "-1", "--int4-act-order")  # fmt: skip
+    result = report["result"]
+    _assert_result(result)
+    assert report["model"]["quantization"] == "gptq"
+    assert report["workload"]["num_requests"] == 1
+    assert result["step_roofline_fraction"] > 0 and result["achieved_tb_s"] > 0
+    assert result["step_roofline_kv_tokens"] > 0
+    # The 4-bit model counts its projections' in x out weights as parameters (MFU) and their
+    # packed bytes as weights (roofline): ~1/4 of the fp32 bytes of the same projections.
+    assert report["model"]["non_embedding_parameters"] > 0
+
+
+def test_gptq_refused_with_a_checkpoint_or_the_peer(tmp_path):
+    result = CliRunner().invoke(bench, [*SMOKE, "--quantization", "gptq", "--peer", "hf"])
+    assert result.exit_code != 0 and "without --quantization" in result.output
+    result = CliRunner().invoke(bench, [*SMOKE, "--int4-group-size", "48"])
+    assert result.exit_code != 0 and "multiple of 32" in result.output
+    result = CliRunner().invoke(bench, [*SMOKE, "--quantization", "gptq", "--int4-act-order",
+                                        "--tensor-parallel-size", "2"])  # fmt: skip
+    assert result.exit_code == 2 and "act order cannot be split" in result.output
+    moe = [a if a != "tiny" else "tiny-moe" for a in SMOKE]
+    result = CliRunner().invoke(bench, [*moe, "--quantization", "gptq"])
+    assert result.exit_code == 2 and "tiny-moe is a mixture-of-experts model" in result.output
+
+
 def test_structured_smoke_runs_the_replay(tmp_path):
     schema = tmp_path / "schema.json"
     schema.write_text(

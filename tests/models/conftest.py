@@ -1,4 +1,4 @@
-"""Make the FP8 checkpoint writers importable from the model tests."""
+"""Make the checkpoint writers beside the model tests (4-bit, FP8) importable from them."""
 
 import os
 import sys

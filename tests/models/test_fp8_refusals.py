@@ -81,9 +81,15 @@ def _model_with(tmp_path: Path, src: str, quantization_config: dict) -> str:
 
 
 def test_engine_refuses_before_loading_weights(tiny_model_dir, tmp_path):
-    path = _model_with(tmp_path, tiny_model_dir("llama"), {"quant_method": "gptq", "bits": 4})
+    path = _model_with(tmp_path, tiny_model_dir("llama"), {"quant_method": "bitsandbytes"})
     with pytest.raises(
-        ModelLoadError, match=r"m/config.json: quantization_config quant_method 'gptq'"
+        ModelLoadError, match=r"m/config.json: quantization_config quant_method 'bitsandbytes'"
+    ):
+        LLM(path, dtype="float32", num_kv_blocks=16)
+    # A 4-bit config (batchgen.models.int4) over 16-bit weights: the weights lack its tensors.
+    path = _model_with(tmp_path / "g", tiny_model_dir("llama"), {"quant_method": "gptq", "bits": 4})
+    with pytest.raises(
+        ModelLoadError, match=r"gptq, but no tensor of the weights ends in .qweight"
     ):
         LLM(path, dtype="float32", num_kv_blocks=16)
 

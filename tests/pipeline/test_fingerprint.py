@@ -50,6 +50,22 @@ def test_retrained_weights_of_the_same_size_are_a_changed_model(tmp_path):
     assert run(job, overwrite=True).complete
 
 
+def test_changed_quantization_config_is_a_changed_model(tmp_path):
+    # A 4-bit checkpoint's format is read from config.json's quantization_config: the same
+    # tensors with sym true (zero points 8) or false (qzeros read) dequantize to other weights.
+    write_jsonl(tmp_path / "in.jsonl", rows(120))
+    job = load(make_job(tmp_path, "in.jsonl"))
+    config = tmp_path / "model" / "config.json"
+    config.write_text(
+        '{"model_type": "fake", "quantization_config": {"quant_method": "gptq", "bits": 4, '
+        '"group_size": 128, "sym": true }}'
+    )
+    assert run(job).complete
+    same_size_rewrite(config, b'"sym": true ', b'"sym": false')
+    with pytest.raises(JobError, match=r"different job \(changed: model\)"):
+        run(job)
+
+
 def test_input_edited_in_place_with_same_size_and_mtime_is_a_changed_input(tmp_path):
     data = rows(120)
     write_jsonl(tmp_path / "in.jsonl", data)

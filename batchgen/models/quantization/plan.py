@@ -17,6 +17,11 @@ class LoadPlan:
     def __init__(self) -> None:
         self.kv_scales = CheckpointKVScales()
 
+    def build_device(self, device: torch.device) -> torch.device:
+        """Where the loader builds the model (a plan that swaps layers before any weight is
+        allocated builds on meta and allocates the rest in prepare)."""
+        return device
+
     def prepare(self, model: nn.Module) -> None:
         """Change the freshly built model before its weights load."""
 

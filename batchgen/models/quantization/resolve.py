@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
+from batchgen.models.int4 import scheme as int4_scheme
+from batchgen.models.int4.scheme import is_int4_config
 from batchgen.models.quantization.fp8_plan import CheckpointFp8Plan, OnlineFp8Plan
 from batchgen.models.quantization.plan import LoadPlan
-from batchgen.models.quantization.schemes import parse
+from batchgen.models.quantization.schemes import SUPPORTED, parse
 from batchgen.models.quantization.tp_blocks import check_block_split
 
 
@@ -18,7 +20,9 @@ def load_plan(
 ) -> LoadPlan:
     """The plan for `config`'s checkpoint and the `quantization` option (None or "fp8"): the
     checkpoint's own FP8 scheme when it has a quantization_config (already FP8, so the option
-    changes nothing), else online FP8 when asked, else plain loading.
+    changes nothing), else online FP8 when asked, else plain loading. A 4-bit checkpoint's
+    config is checked here (the option must be unset) and gets the plain plan: the loader
+    swaps in models.int4's Int4LoadPlan once check_checkpoint has read its tensors.
 
     Raises:
         ModelLoadError: a quantization_config batchgen does not run, naming what it found and
@@ -35,8 +39,33 @@ def load_plan(
             "supported: its experts run 16-bit weights in the fused MoE kernel (kv_cache_dtype "
             "fp8 is)"
         )
+    qc = config.quantization_config
+    if qc and is_int4_config(qc):  # 4-bit: the loader's Int4LoadPlan (it needs the headers)
+        if quantization is not None:
+            raise ModelLoadError(
+                f"{source}: quantization={quantization!r} with a 4-bit {qc.get('quant_method')} "
+                "checkpoint: its weights are quantized already; leave quantization unset"
+            )
+        try:
+            int4_scheme.parse(qc, source)
+        except int4_scheme.UnsupportedQuantization as e:
+            raise ModelLoadError(str(e)) from None
+        return LoadPlan()
+    method = qc.get("quant_method") if qc else None
+    if qc and method not in ("compressed-tensors", "fp8"):
+        raise _neither(source, f"quant_method {method!r}")
+    if method == "compressed-tensors" and qc.get("format") not in (None, "float-quantized"):
+        raise _neither(source, f"quant_method {method!r}, format {qc.get('format')!r}")
     if config.quantization_config:
         scheme = parse(config.quantization_config, source)
         check_block_split(config, scheme, tensor_parallel_size, source)
         return CheckpointFp8Plan(scheme, source) if scheme.groups else LoadPlan()
     return OnlineFp8Plan() if quantization == "fp8" else LoadPlan()
+
+
+def _neither(source: str, what: str) -> ModelLoadError:
+    """A quantization_config neither the FP8 nor the 4-bit loader reads."""
+    return ModelLoadError(
+        f"{source}: quantization_config {what} is not supported; supported: {SUPPORTED}; "
+        f"{int4_scheme.SUPPORTED}"
+    )
