@@ -192,7 +192,7 @@ def _run_job(make_job, shard, overwrite, strict, progress, finish=None, **option
     # and one after the run has finished changes nothing.
     stop = StopFlag()
     with GracefulStop(stop), _exit_codes():
-        from batchgen.pipeline.runner import Runner
+        from batchgen.pipeline.data_parallel import run_task
         from batchgen.pipeline.sharding import ShardSelector
 
         job = make_job()
@@ -204,7 +204,7 @@ def _run_job(make_job, shard, overwrite, strict, progress, finish=None, **option
                 f"command again (exit {EX_TEMPFAIL})"
             )
             sys.exit(EX_TEMPFAIL)
-        result = Runner(
+        result = run_task(
             job,
             shard=selector,
             overwrite=overwrite,
@@ -213,7 +213,7 @@ def _run_job(make_job, shard, overwrite, strict, progress, finish=None, **option
             stop=stop,
             holder=_slurm_job(),
             **options,
-        ).run()
+        )
         extra = finish(job, result) if finish is not None and result.complete else []
         _report(result, job, selector, strict, extra)
 
@@ -222,8 +222,8 @@ def _report(result, job, selector, strict: bool, extra: list[str] = ()) -> None:
     """Print a finished or stopped run's summary (then `extra` lines) and exit with its code."""
     for line in result.lines:
         click.echo(line)
-    if result.exit_code == EX_TEMPFAIL:
-        sys.exit(EX_TEMPFAIL)
+    if result.exit_code not in (EXIT_OK, EXIT_ROW_ERRORS):  # 75 stopped, or a worker failure
+        sys.exit(result.exit_code)
     if result.complete:
         click.echo(f"done: {job.output.path}/_SUCCESS written")
     for line in extra:

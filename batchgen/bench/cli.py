@@ -115,6 +115,22 @@ from batchgen.models.presets import PRESET_NAMES
     "on its own GPU.",
 )
 @click.option(
+    "--data-parallel-size",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="N engines in N processes, one per GPU (or tensor-parallel group), timed together; "
+    "reports the total and each GPU's output tok/s.",
+)
+@click.option(
+    "--data-parallel-load",
+    type=click.Choice(["full", "split"]),
+    default="full",
+    show_default=True,
+    help="full: every GPU runs the whole workload (N x its requests); split: the workload's "
+    "requests are dealt out over the GPUs.",
+)
+@click.option(
     "--disable-custom-all-reduce",
     is_flag=True,
     help="Tensor parallel: all-reduce through NCCL only (no one-shot kernel).",
@@ -248,9 +264,41 @@ def bench(**kw) -> None:
         int4_act_order=kw["int4_act_order"],
         structured_schema=kw["structured_schema"],
     )
+    if kw["data_parallel_size"] > 1:
+        _data_parallel(opts, kw)
+        return
     try:
         report = run_bench(opts, log=lambda m: click.echo(m, err=True))
     except ModelLoadError as e:  # a checkpoint, or a preset with an option it cannot take
+        raise click.UsageError(str(e)) from None
+    if kw["json_out"]:
+        write_json(kw["json_out"], report)
+        click.echo(f"wrote {kw['json_out']}", err=True)
+    click.echo(format_table(report))
+    sys.stdout.flush()
+
+
+def _data_parallel(opts, kw) -> None:
+    """--data-parallel-size N > 1: the bench in N processes (bench/data_parallel.py)."""
+    from batchgen.bench.data_parallel import DataParallelBenchError, format_table, run_data_parallel
+    from batchgen.bench.report import write_json
+
+    size = kw["data_parallel_size"]
+    for name, why in (("peer", "--peer"), ("structured_schema", "--structured-schema")):
+        if kw[name]:
+            raise click.BadParameter(f"{why} runs in one process; leave out --data-parallel-size")
+    if kw["workload"] == "pipeline":
+        raise click.BadParameter(
+            "the pipeline workload runs in one process", param_hint="--workload"
+        )
+    if kw["data_parallel_load"] == "split" and kw["num_prompts"] is not None:
+        if kw["num_prompts"] < size:
+            raise click.BadParameter(f"split over {size} GPUs needs at least {size} prompts")
+    try:
+        report = run_data_parallel(
+            opts, size, kw["data_parallel_load"], log=lambda m: click.echo(m, err=True)
+        )
+    except DataParallelBenchError as e:
         raise click.UsageError(str(e)) from None
     if kw["json_out"]:
         write_json(kw["json_out"], report)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -168,12 +169,14 @@ def run_engine(
     tokenizer: Tokenizer | None = None,
     submit_kw: dict[str, Any] | None = None,
     outputs: dict[str, RequestOutput] | None = None,
+    sync: Callable[[], None] | None = None,
     **overrides: Any,
 ) -> RunResult:
     """Warm up with `warmup` look-alike requests, then time `w` on a fresh engine.
 
     submit_kw: `submit`'s ignore_eos and SamplingParams fields, for warm-up and timed run;
-    outputs: receives the timed requests' outputs by id (request i is "i")."""
+    outputs: receives the timed requests' outputs by id (request i is "i"); sync: called
+    right before the clock starts (data parallel: the processes start together)."""
     engine = bench.engine(tokenizer, **overrides)
     submit_kw = submit_kw or {}
     if warmup:
@@ -186,6 +189,9 @@ def run_engine(
     def go() -> int:
         submit(engine, w, "", **submit_kw)
         return drain(engine, outputs)
+
+    if sync is not None:
+        sync()
 
     with PowerSampler(device_uuid(bench.device)) as power:
         wall, errors = timed(go, bench.device)

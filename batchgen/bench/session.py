@@ -45,6 +45,10 @@ class BenchOptions:
     int4_group_size: int = 128
     int4_act_order: bool = False
     structured_schema: str | None = None  # a JSON schema file: constrained run + replay
+    # Data parallel (bench/data_parallel.py): this process's share of the requests (index,
+    # count), and a call every process makes right before each timed run (a barrier).
+    part: tuple[int, int] | None = None
+    sync: Callable[[], None] | None = None
 
 
 def _model_config(opts: BenchOptions) -> ModelConfig:
@@ -91,8 +95,12 @@ def _result(
     return out
 
 
-def _repeat_engine(bench: Bench, w: Workload, n: int, warmup: int, **overrides) -> list[dict]:
-    return [rates(run_engine(bench, w, warmup, **overrides).as_dict(), w) for _ in range(n)]
+def _repeat_engine(
+    bench: Bench, w: Workload, n: int, warmup: int, sync=None, **overrides
+) -> list[dict]:
+    return [
+        rates(run_engine(bench, w, warmup, sync=sync, **overrides).as_dict(), w) for _ in range(n)
+    ]
 
 
 def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
@@ -100,6 +108,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
     device = resolve_device(opts.engine.device)
     mc = _model_config(opts)
     w = build_workload(opts.workload, mc.vocab_size, opts.num_prompts, opts.max_output_tokens)
+    if opts.part is not None:
+        w = w.part(*opts.part)
     max_len = opts.engine.max_model_len or w.max_request_len()
     env = environment(device)
     log(f"measuring ceilings on {env['device']} ...")
@@ -164,7 +174,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         cost = workload_cost(w)
     else:
         log(f"{w.name}: {w.num_requests} requests, {opts.repeat} timed run(s) ...")
-        runs = _repeat_engine(bench, w, opts.repeat, opts.warmup)
+        runs = _repeat_engine(bench, w, opts.repeat, opts.warmup, opts.sync)
     peak = peak_memory_bytes(device)
     report: dict[str, Any] = {
         **env,
@@ -219,7 +229,9 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         report["result"].update(_steps_taken(shape, experts, w, report["result"], ceilings))
     if w.name == "shared-prefix":
         log("shared-prefix: the same run with prefix caching off ...")
-        off = _repeat_engine(bench, w, opts.repeat, opts.warmup, enable_prefix_caching=False)
+        off = _repeat_engine(
+            bench, w, opts.repeat, opts.warmup, opts.sync, enable_prefix_caching=False
+        )
         off_result = _result(median_run(off), w, cost, ceilings, peak_memory_bytes(device))
         report["prefix_caching_off"] = {
             "runs": off,

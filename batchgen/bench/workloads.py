@@ -74,6 +74,32 @@ class Workload:
             self.temperature,
         )
 
+    def part(self, index: int, count: int) -> Workload:
+        """Requests index, index + count, ... (one GPU's share of a data parallel run). An
+        ideal prefix cache's reuse is counted against the previous request of the share (the
+        shared-prefix groups are consecutive); a workload sharing nothing keeps its zeros."""
+        prompts = self.prompts[index::count]
+        shared = [0] * len(prompts)
+        if any(self.shared_prefix_lens):
+            shared = [_common_prefix(a, b) for a, b in zip([[]] + prompts, prompts)]
+        return Workload(
+            self.name,
+            prompts,
+            self.max_tokens[index::count],
+            None if self.candidates is None else self.candidates[index::count],
+            shared,
+            self.temperature,
+        )
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
 
 def nano(num_prompts: int = 256, vocab_size: int = 151936) -> Workload:
     """nano-vllm's bench.py stream: all prompts (length, then its tokens) first, then all

@@ -8,6 +8,10 @@ host, while that very process (pid and start time) runs; where fcntl locks reach
 a released fcntl lock also shows a dead holder elsewhere. A stale lock is broken by renaming
 it aside, which only one breaker can do, and checking that it was the stale one.
 
+A data parallel worker's locks name its parent as their owner (`set_owner`): they stay live
+while the parent runs, even after the worker died, until the parent breaks them (the shard goes
+to another worker) or takes them over (`take_over`: the shard is set aside).
+
 Locks keep two live runs off the same shard; they are not what keeps output exactly once:
 every commit is published with link() (atomic.publish), so even a holder paused past its lease
 cannot commit a second copy of a shard.
@@ -47,6 +51,8 @@ BOOT_ID = _boot_id()
 # (st_dev, st_ino) -> holder of the locks this process holds. Closing any descriptor of a file
 # drops this process's fcntl lock on it, so their files are never opened to be inspected.
 _HELD: dict[tuple[int, int], dict] = {}
+# The process whose life keeps this process's locks live, when not this one (set_owner).
+_OWNER: dict = {}
 
 
 def process_start(pid: int) -> int | None:
@@ -131,6 +137,8 @@ def inspect(path: str, lease_s: float, now: float | None = None) -> LockInfo | N
         return LockInfo(path, {}, 0.0, live=False) if _old(path, now) else None
     if now - mtime > lease_s:
         live = False  # lease expired: the holder is gone, hung or paused
+    elif _same_host(holder) and "owner" in holder:
+        live = process_alive(int(holder["owner"]), holder.get("owner_start"))
     elif _same_host(holder):
         live = process_alive(int(holder.get("pid", 0)), holder.get("start"))
     else:
@@ -178,6 +186,12 @@ class HeldLock:
             self.fd = -1
 
 
+def set_owner(pid: int) -> None:
+    """Locks this process takes from now on are live while process `pid` (this host's) runs
+    and their lease is renewed, whether or not this process still runs."""
+    _OWNER.update(owner=pid, owner_start=process_start(pid))
+
+
 def holder_record(what: str, task: str = "") -> dict:
     pid = os.getpid()
     return {
@@ -189,6 +203,7 @@ def holder_record(what: str, task: str = "") -> dict:
         "since": time.time(),
         "what": what,
         "task": task,
+        **_OWNER,
     }
 
 
@@ -215,7 +230,9 @@ def try_acquire(
     raise OSError(errno.EAGAIN, "could not take the lock (contended)", path)
 
 
-def _create(path: str, holder: dict) -> HeldLock | None:
+def _create(path: str, holder: dict, replace: bool = False) -> HeldLock | None:
+    """Publish a lock file at `path` holding `holder`: with link() (None if one exists), or
+    with replace, renamed over whatever is there."""
     atomic.own_dir(os.path.dirname(path))
     tmp = atomic.temp_path(path)
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
@@ -227,7 +244,7 @@ def _create(path: str, holder: dict) -> HeldLock | None:
             holder["fcntl"] = False  # no fcntl locks here: leases and pids decide
         os.write(fd, json.dumps(holder).encode())
         try:
-            os.link(tmp, path)
+            (os.replace if replace else os.link)(tmp, path)
         except FileExistsError:
             os.close(fd)
             return None
@@ -238,6 +255,14 @@ def _create(path: str, holder: dict) -> HeldLock | None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
     return HeldLock(path, fd, holder)
+
+
+def take_over(info: LockInfo, what: str, task: str = "") -> HeldLock:
+    """Replace the lock `info` saw, which this process owns (a dead worker's, see set_owner),
+    with one it holds itself, in one rename: no other process can take the name between."""
+    held = _create(info.path, holder_record(what, task), replace=True)
+    assert held is not None  # a rename never finds the name taken
+    return held
 
 
 # A breaker's guard older than this was left by a breaker that died mid-break: removed.
@@ -323,6 +348,11 @@ class LeaseKeeper:
         with self._guard:
             self._held.pop(lock.path, None)
             lock.release()
+
+    def forget(self, lock: HeldLock) -> None:
+        """Stop renewing `lock` and leave its file to its owner (set_owner's process)."""
+        with self._guard:
+            self._held.pop(lock.path, None)
 
     def held(self) -> Iterator[HeldLock]:
         with self._guard:

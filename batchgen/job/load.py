@@ -140,7 +140,7 @@ def validate_job(raw: dict, source: str = "<job>") -> JobSpec:
 
 def _model_spec(raw: dict) -> ModelSpec:
     engine_fields = {f.name: f.type for f in fields(EngineConfig)}
-    known = ["path", "dtype", "revision"]
+    known = ["path", "dtype", "revision", "data_parallel_size"]
     known += [n for n in EngineConfig.option_names() if n != "model"]
     known = list(dict.fromkeys(known))
     sec = section(raw, "model", known)
@@ -151,18 +151,31 @@ def _model_spec(raw: dict) -> ModelSpec:
         raise JobError(
             "model.revision: must not be empty (a branch, tag or commit of the hub repo)"
         )
+    data_parallel = _data_parallel_size(sec.get("data_parallel_size", "auto"))
     options = {}
     for key, value in sec.items():
-        if key in ("path", "dtype", "revision"):
+        if key in ("path", "dtype", "revision", "data_parallel_size"):
             continue
         options[key] = check_type(f"model.{key}", value, str(engine_fields[key]))
     path = check_path("model.path", path)
-    spec = ModelSpec(path, dtype, tuple(sorted(options.items())), revision)
+    options_t = tuple(sorted(options.items()))
+    spec = ModelSpec(path, dtype, options_t, revision, data_parallel_size=data_parallel)
     try:
         spec.engine_config()
     except ConfigError as e:
         raise JobError(f"model.{e}") from None
     return spec
+
+
+def _data_parallel_size(value) -> int | None:
+    """model.data_parallel_size: `auto` (None) or an integer >= 1."""
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise JobError(
+            f"model.data_parallel_size: {short_repr(value)} is neither auto nor an integer >= 1"
+        )
+    return value
 
 
 def _input_spec(raw: dict) -> InputSpec:

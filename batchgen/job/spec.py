@@ -25,6 +25,10 @@ class ModelSpec:
     options: tuple[tuple[str, Any], ...] = ()  # engine options beyond path/dtype, sorted
     revision: str | None = None  # of a hub repo id
     hub_id: str | None = None  # the repo id `path` was resolved from (path is then its snapshot)
+    # Engines `batchgen run` starts, one per group of tensor_parallel_size GPUs; None: auto
+    # (every visible GPU's group, 1 on CPU). Not an engine option: a run's, outside the
+    # fingerprint.
+    data_parallel_size: int | None = None
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.path, dtype=self.dtype, **dict(self.options))

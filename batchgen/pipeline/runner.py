@@ -66,6 +66,8 @@ class Runner:
             (default: the CPUs it may use, at most 16).
         log: where messages go (default stderr).
         template_limits: hard limits on each chat-template render (default TemplateLimits()).
+        shard_loop: runs the task's remaining shards and says whether all are done (default:
+            ShardLoop in this process; data_parallel.WorkerPool hands them to engine workers).
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class Runner:
         plan_workers: int | None = None,
         log: Callable[[str], None] | None = None,
         template_limits: TemplateLimits | None = None,
+        shard_loop: Callable[[Runner, list[int]], bool] | None = None,
     ):
         self.job = job
         self.mode = mode_for(job)  # what differs between generate and score
@@ -110,6 +113,10 @@ class Runner:
         self.engine = None
         self.keeper: locks.LeaseKeeper | None = None
         self.renderer: PromptRenderer | None = None
+        self.shard_loop = shard_loop or _loop_here
+        # (exit code, message) when the shard loop ended short of its shards without a stop
+        # signal (data parallel: every worker died, or a shard failed twice).
+        self.failure: tuple[int, str] | None = None
 
     # ----------------------------------------------------------------------------- preparation
 
@@ -326,6 +333,23 @@ class Runner:
         self.stats.add_rows(entry)
         self.stats.pieces_committed += 1
 
+    def abandon_lock(self, lock: locks.HeldLock) -> None:
+        """The lock of a shard an error left unfinished: released (a data parallel worker
+        leaves it to its parent, which decides whether the shard is retried)."""
+        self.keeper.release(lock)
+
+    def note_blocked(self, k: int, info: locks.LockInfo) -> None:
+        """Shard k is held by another live process (said once per shard)."""
+        self.log(f"shard {k} is being written by {info.who()}; skipping it for now")
+
+    def leave_to_holder(self, info: locks.LockInfo) -> bool:
+        """Whether a shard whose lock `info` is live is left alone for the rest of this run
+        instead of waited for (a data parallel worker leaves the shards its parent set aside)."""
+        return False
+
+    def make_progress(self, total: int) -> Progress:
+        return Progress(self.progress_enabled, total=total)
+
     # ------------------------------------------------------------------------------- running
 
     def run(self) -> RunResult:
@@ -346,9 +370,9 @@ class Runner:
                 self.stats = RunStats(shards_skipped=len(self.own_entries))
                 owned = [k for k in range(self.plan.num_shards) if self.shard.owns(k)]
                 todo = [k for k in owned if k not in self.committed]
-                self.progress = Progress(self.progress_enabled, total=self._rows_owed(todo))
+                self.progress = self.make_progress(self._rows_owed(todo))
                 try:
-                    finished = ShardLoop(self, todo).run()
+                    finished = self.shard_loop(self, todo)
                 finally:
                     self.progress.close()
                 return self._finish(finished, start)
@@ -404,11 +428,18 @@ class Runner:
             lines.append(
                 f"written as text (their values mix kinds): {', '.join(self.plan.mixed_columns)}"
             )
-        if not finished:
+        code = 0 if finished else EX_TEMPFAIL
+        if not finished and self.failure is not None:
+            code = self.failure[0]
+            lines.append(self.failure[1])
+        elif not finished:
             lines.append(
                 f"interrupted by {self.stop.signal_name}: committed shards and the finished rows "
                 f"of unfinished ones are kept; run the same command again to resume "
                 f"(exit {EX_TEMPFAIL})"
             )
-        code = 0 if finished else EX_TEMPFAIL
         return RunResult(code, self.stats, stats["job"], task_totals, num_shards, complete, lines)
+
+
+def _loop_here(runner: Runner, todo: list[int]) -> bool:
+    return ShardLoop(runner, todo).run()

@@ -120,8 +120,10 @@ class ShardLoop:
         r = self.r
         got = locks.try_acquire(r.lock_file(k), "shard", r.keeper.lease_s, r.task)
         if isinstance(got, locks.LockInfo):
+            if r.leave_to_holder(got):
+                return
             if k not in self.blocked:
-                r.log(f"shard {k} is being written by {got.who()}; skipping it for now")
+                r.note_blocked(k, got)
             self.blocked[k] = got
             return
         r.keeper.add(got)
@@ -198,10 +200,12 @@ class ShardLoop:
             if now is None or not now.live:
                 del self.blocked[k]
                 self.todo.append(k)
+            elif r.leave_to_holder(now):
+                del self.blocked[k]
 
     def _close(self, commit: bool) -> None:
         """Commit the finished rows of unfinished shards as pieces (on a graceful stop), then
-        release every shard lock."""
+        release every shard lock (after an error: hand it to Runner.abandon_lock)."""
         r = self.r
         for k, shard in list(self.open.items()):
             try:
@@ -210,7 +214,7 @@ class ShardLoop:
                     if entry is not None:
                         r.note_piece(k, entry, shard.results)
             finally:
-                r.keeper.release(shard.lock)
+                (r.keeper.release if commit else r.abandon_lock)(shard.lock)
         if commit and self.finished_at_stop is not None:
             r.log(
                 f"stop: {self.finished_at_stop} row(s) had finished in this run when the signal "

@@ -128,3 +128,27 @@ def test_tidy_breaks_stale_locks_and_removes_the_dir(tmp_path):
     keeper.close()
     locks.tidy(out)
     assert not os.path.exists(os.path.join(out, locks.LOCK_DIR))
+
+
+def test_owned_locks_live_while_their_owner_runs_and_are_taken_over(tmp_path):
+    """A data parallel worker's lock (set_owner: its parent) outlives the worker until the
+    owner breaks it or takes it over in one rename."""
+    path = locks.lock_path(str(tmp_path), "part-00004.lock")
+    worker = (
+        "import sys; from batchgen.io import locks\n"
+        f"locks.set_owner({os.getpid()})\n"
+        "held = locks.try_acquire(sys.argv[1], 'shard')\n"
+        "assert isinstance(held, locks.HeldLock)\n"
+        "import os; os._exit(0)  # dies holding it\n"
+    )
+    subprocess.run([sys.executable, "-c", worker, path], check=True)
+    left = locks.inspect(path, locks.DEFAULT_LEASE_S)
+    assert left.live and left.holder["owner"] == os.getpid() and left.holder["pid"] != os.getpid()
+    assert isinstance(locks.try_acquire(path, "shard"), locks.LockInfo)  # nobody breaks it
+    mine = locks.take_over(left, "set aside", task="0/1")
+    assert mine.still_ours() and locks.inspect(path, 60).holder["what"] == "set aside"
+    mine.release()
+    assert not os.path.exists(path)
+    # The owner gone: such a lock is stale like any other.
+    plant(path, pid=os.getpid(), owner=dead_pid(), owner_start=None)
+    assert not locks.inspect(path, 60).live
