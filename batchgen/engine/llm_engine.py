@@ -7,6 +7,7 @@ import random
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from batchgen.config import EngineConfig
 from batchgen.engine.block_manager import BlockManager
@@ -22,13 +23,14 @@ from batchgen.engine.scheduler_output import SchedulerOutput
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.stats import EngineStats
 from batchgen.engine.step_handle import StepHandle
-from batchgen.engine.structured.grammar import GrammarCompiler, GrammarError
-from batchgen.engine.structured.manager import StructuredOutputs
 from batchgen.models.config import ModelConfig
 from batchgen.models.tokenizer import Tokenizer
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams, SamplingParamsError
 from batchgen.structured_outputs import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from batchgen.engine.structured.manager import StructuredOutputs
 
 _SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -183,8 +185,8 @@ class LLMEngine:
         if params.structured_outputs is not None:
             try:
                 prepared = self._structured().prepare(params.structured_outputs)
-            except (GrammarError, ValueError) as e:
-                code = e.code if isinstance(e, GrammarError) else "bad_params"
+            except ValueError as e:  # GrammarError (a ValueError) carries its own code
+                code = getattr(e, "code", "bad_params")
                 self._reject(request_id, ids, code, str(e))
                 return
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -233,6 +235,10 @@ class LLMEngine:
     def _structured(self) -> StructuredOutputs:
         """The structured-output state, built on first use from the engine's tokenizer."""
         if self.structured is None:
+            # Imported here: llguidance is needed only once a request has a constraint.
+            from batchgen.engine.structured.grammar import GrammarCompiler
+            from batchgen.engine.structured.manager import StructuredOutputs
+
             if self.tokenizer is None:
                 raise ValueError(
                     "structured_outputs need the model's tokenizer; this engine has none"

@@ -8,7 +8,6 @@ refuse at start-up, stops the job before any model loads, naming the job file an
 from __future__ import annotations
 
 from batchgen.engine.request_checks import ModelLimits, check_cache_size, check_params
-from batchgen.engine.structured.grammar import check_constraint
 from batchgen.job import JobError, JobSpec
 from batchgen.sampling_params import SamplingParams
 
@@ -32,6 +31,9 @@ def check_job_limits(job: JobSpec, limits: ModelLimits) -> None:
     if params.structured_outputs is not None:
         # The schema, regex or grammar itself: one the grammar engine refuses would fail
         # every row. (batchgen validate also compiles it against the tokenizer.)
+        # Imported here: llguidance is needed only by jobs with a constraint.
+        from batchgen.engine.structured.grammar import check_constraint
+
         refused = check_constraint(params.structured_outputs)
         if refused is not None:
             raise JobError(f"{job.source}: sampling.{refused}")
