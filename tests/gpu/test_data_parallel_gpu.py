@@ -52,7 +52,10 @@ def run(job: Path, out: str, data_parallel: int) -> tuple[dict[str, list], str]:
     sizes = f"model.data_parallel_size={data_parallel}"
     cmd = [sys.executable, "-m", "batchgen", "run", str(job), "--no-progress",
            "--set", f"output.path={out}", "--set", sizes]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     proc = subprocess.run(
         cmd, cwd=job.parent, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
     )

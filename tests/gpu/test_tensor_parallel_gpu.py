@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-import jsonschema
 import pytest
 import torch
 
@@ -160,6 +159,8 @@ def test_tp2_greedy_equals_tp1_fp32(tiny_model_dir, tmp_path, arch, options, mix
 def test_tp2_structured_equals_tp1_fp32(tiny_model_dir, tmp_path):
     """Structured output under tensor parallel: rank 0 masks the gathered logits (decode graphs,
     masks on a side stream, async scheduling), the same tokens as one GPU, every one valid."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
     schema = {
         "type": "object",
         "properties": {
