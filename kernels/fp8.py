@@ -2,11 +2,13 @@
 kernel that writes FP8 shares, static-scale and dynamic per-row / per-group quantize kernels
 (activations of FP8 GEMMs), and the torch references.
 
-quantize(x, scale) = round_to_e4m3(clamp(x / scale, -448, 448)), the division in fp32 (IEEE),
-the rounding to nearest, ties to even; dequantize(q, scale) = float(q) * scale. Kernels round
-in fp32 arithmetic (`round_to_e4m3`) and then cast a value that is already on the e4m3 grid:
-Triton's interpreter converts fp32 -> fp8 wrongly where rounding carries into the next
-exponent (125.4 becomes 64 instead of 128), while the cast of a grid value is exact everywhere.
+quantize(x, scale) = round_e4m3(clamp(x / scale, -448, 448)), the division in fp32 (IEEE),
+the rounding to nearest, ties to even; dequantize(q, scale) = float(q) * scale. Kernels divide
+with div_rn and then build the e4m3 code from the quotient's fp32 bits with integer arithmetic
+only (`e4m3_code`), stored through a bitcast: no floating-point rounding step is left that a
+compiler could contract, reassociate or flush to zero, and no fp32 -> fp8 conversion (Triton's
+interpreter converts wrongly where rounding carries into the next exponent: 125.4 became 64),
+so the compiled kernel, the interpreter and torch's cast give the same byte.
 """
 
 from __future__ import annotations
@@ -22,27 +24,38 @@ MIN_AMAX = 1e-12
 
 
 @triton.jit
-def round_to_e4m3(x):
-    # fp32 x -> the nearest e4m3 value as fp32 (ties to even, saturated at +-448, sign of zero
-    # kept). e4m3 has 3 mantissa bits: within binade 2^e its step is 2^(e-3); below 2^-6
-    # (subnormals) the step stays 2^-9. Powers of two are built from their exponent bits, so
-    # every multiply here is exact and only the magic-number add rounds.
-    bits = x.to(tl.int32, bitcast=True)
-    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
-    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    inv_step = ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)
-    # 12582912 = 1.5 * 2^23: adding and subtracting it rounds an fp32 |y| < 2^22 to an integer,
-    # ties to even (a literal: compiled kernels read no non-constexpr globals).
-    r = ((x * inv_step + 12582912.0) - 12582912.0) * step
-    r = tl.minimum(tl.maximum(r, -448.0), 448.0)
-    return tl.where(bits < 0, -tl.abs(r), tl.abs(r))  # the sign bit, -0.0 included
+def e4m3_code(y):
+    # fp32 y -> its e4m3 byte (int32 in [0, 255]): round to nearest, ties to even, |y| >= 448
+    # saturated to 448 (code 126), NaN kept (127), the sign bit copied (-0.0 -> 0x80). Integer
+    # arithmetic on y's bits: with a = |y|'s bits, exponent E = a >> 23, mantissa m.
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    # e4m3 normals (|y| >= 2^-6, E >= 121): keep 3 of the 23 mantissa bits, the 20 dropped ones
+    # rounded to nearest even by adding 0x7FFFF plus the kept lowest bit (a carry moves into the
+    # exponent, as it should); rebias the exponent 127 -> 7: minus 120 << 3. `a` is capped at
+    # 480's bits first (anything larger saturates anyway), so the sum cannot overflow.
+    ac = tl.minimum(a, 0x43F00000)
+    normal = ((ac + 0x7FFFF + ((ac >> 20) & 1)) >> 20) - 960
+    # e4m3 subnormals (|y| < 2^-6): code = |y| / 2^-9 rounded to nearest even, and
+    # |y| = (m | 2^23) * 2^(E - 150), so the code is (m | 2^23) >> (141 - E), rounded. A shift of
+    # 30 or more (E <= 111, or fp32 subnormals) leaves 0.
+    shift = tl.minimum(tl.maximum(141 - (a >> 23), 1), 30)  # only E <= 120 uses it
+    m = (a & 0x7FFFFF) | 0x800000
+    q = m >> shift
+    rem = m & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    code = tl.where(a >= 0x3C800000, tl.minimum(normal, 126), sub)
+    code = tl.where(a > 0x7F800000, 127, code)
+    return code | sign
 
 
 @triton.jit
 def quantize_e4m3(x, scale):
-    # x (any float dtype) / scale (fp32), rounded to e4m3 and cast: the value to store.
+    # x (any float dtype) / scale (fp32), as the e4m3 value to store (float8e4nv).
     y = tl.math.div_rn(x.to(tl.float32), scale)
-    return round_to_e4m3(y).to(tl.float8e4nv)
+    return e4m3_code(y).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -118,7 +131,7 @@ def quantize_fp8_groups_ref(
     xf = torch.nn.functional.pad(x.float(), (0, num_groups * group - K))
     xf = xf.view(M, num_groups, group)
     amax = xf.abs().amax(dim=-1).clamp(min=MIN_AMAX)  # [M, G]
-    scales = amax / FP8_MAX
+    scales = amax / torch.full_like(amax, FP8_MAX)  # an IEEE quotient on CUDA too
     q = quantize_fp8_ref(xf, scales[..., None]).view(M, num_groups * group)[:, :K]
     return q.contiguous(), scales
 
@@ -149,7 +162,13 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     """Torch reference: clamp(x / scale) in fp32, then torch's round-to-nearest-even cast."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return (x.float() / _divisor(scale, x.device)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _divisor(scale: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    # A tensor on x's device: torch's CUDA division by a Python number (or a CPU scalar tensor)
+    # multiplies by its rounded reciprocal, one ulp off the IEEE quotient the kernels compute.
+    return torch.as_tensor(scale, dtype=torch.float32, device=device)
 
 
 def dequantize_fp8_ref(q: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:

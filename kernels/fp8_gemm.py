@@ -6,8 +6,15 @@ activations cuBLASLt's row-wise FP8 does not take.
 
 y[m, n] = sum over k-blocks b of (x_q[m, b] . w_q[n, b]) * x_scale[m, b] * w_scale[n // BN, b],
 each block's dot an fp32 product of e4m3 values (FP8 tensor cores on Hopper), scaled and summed
-in fp32: the accumulation restarts at each 128-wide block, so the MMA's limited accumulator
-precision spans 128 products at most.
+in fp32.
+
+Accuracy: Hopper's FP8 MMA does not add in full fp32: it keeps about 14 significant bits of
+the running sum and drops the rest (DeepSeek-V3 technical report, section 3.3.2), and Triton
+lets it run over the whole K loop unless told otherwise (max_num_imprecise_acc). Both kernels
+here therefore move the partial sum into an fp32 register every 128 products (the block
+kernel through its per-block scales, the row-wise one with max_num_imprecise_acc=128), as
+cuBLASLt does without fast accumulation. `fp8_gemm_error_bound` states the resulting bound
+against the fp32 references; on CPU (the interpreter) the sums are plain fp32.
 """
 
 from __future__ import annotations
@@ -22,6 +29,11 @@ GEMM_BLOCK_M = 64
 GEMM_BLOCK_N = 128
 GEMM_NUM_WARPS = 4
 GEMM_NUM_STAGES = 3
+# The MMA's partial sum keeps about 14 significant bits, losing up to 2^-13 of the magnitudes
+# it holds each time new products are aligned to it; counting generously 8 such steps per
+# 128-product chunk (2 per k-step of 32) bounds a chunk's error by 8 * 2^-13 of its sum of
+# |x_k * w_k|, and the fp32 adds of the chunks add nothing comparable.
+FP8_MMA_REL_ERROR = 8 * 2.0**-13
 
 
 @triton.jit
@@ -49,8 +61,8 @@ def _block_gemm_kernel(
         k = b * GROUP_K + ks
         a = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & (k < K)[None, :], other=0.0)
         w = tl.load(w_rows + k[:, None], mask=(k < K)[:, None] & col_mask[None, :], other=0.0)
-        if ROWWISE:
-            acc += tl.dot(a, w)
+        if ROWWISE:  # the 128 products' partial sum is added to acc in fp32
+            acc = tl.dot(a, w, acc, max_num_imprecise_acc=GROUP_K)
         else:
             a_scale = tl.load(xs_ptr + rows * stride_xs + b, mask=row_mask, other=0.0)
             w_scale = tl.load(ws_row + b)
@@ -211,3 +223,16 @@ def fp8_block_gemm_ref(
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)
+
+
+def fp8_gemm_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """How far an FP8 tensor-core GEMM may lie from the fp32 product of the same operands.
+
+    Args:
+        x: [M, K] and w: [N, K], the dequantized operands (fp32) the references multiply.
+
+    Returns:
+        [M, N] fp32: FP8_MMA_REL_ERROR * (|x| @ |w|^T), the accumulation's share of the error
+        (the output dtype's rounding comes on top).
+    """
+    return FP8_MMA_REL_ERROR * (x.float().abs() @ w.float().abs().t())

@@ -78,7 +78,7 @@ def store_kvcache(
         k_cache, v_cache: [NB, BS, Hk, D], contiguous, k's dtype or float8_e4m3fn.
         slot_mapping: [T] int64, slot = block_id * BS + offset; slots < 0 are skipped.
         kv_scale: FP8 caches only: [2] float32 (k_scale, v_scale); the cache holds
-            round_to_e4m3(clamp(k / k_scale, -448, 448)) (kernels/fp8.py).
+            round_e4m3(clamp(k / k_scale, -448, 448)) (kernels/fp8.py).
     """
     op = "store_kvcache"
     fp8 = _check_args(k, v, k_cache, v_cache, slot_mapping, kv_scale)

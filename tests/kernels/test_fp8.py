@@ -83,3 +83,47 @@ def test_quantize_groups_ref_by_hand():
     assert deq[1, 3].item() == pytest.approx(-6.0) and deq[1, :2].tolist() == [0.0, 0.0]
     q_row, s_row = quantize_fp8_groups_ref(x)  # per token: one scale a row
     assert s_row.flatten().tolist() == pytest.approx([1.0, 6 / 448])
+
+
+def assert_same_codes(q, q_ref, x, scales) -> None:
+    """q, q_ref, x: [M, K]; scales: [M, G] (each over K / G columns). Bytes equal; a failure
+    names the first differing element with its input, scale, quotient and both codes."""
+    a, b = q.view(torch.uint8), q_ref.view(torch.uint8)
+    if torch.equal(a, b):
+        return
+    m, k = (int(i) for i in (a != b).nonzero()[0])
+    s = scales[m, k // -(-x.shape[1] // scales.shape[1])].item()
+    value = x[m, k].float().item()
+    raise AssertionError(
+        f"{int((a != b).sum())} of {a.numel()} codes differ; first at ({m}, {k}): input "
+        f"{value!r} / scale {s!r} = {value / s!r}: kernel {int(a[m, k]):#04x}, reference "
+        f"{int(b[m, k]):#04x}"
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_realistic(dtype):
+    # The compiled kernels, byte for byte: every code, midpoint, subnormal and saturated value,
+    # then activations of a 4096-wide model per token and per 128-group.
+    x = _values(1 << 20).to(dtype).cuda()
+    for scale in (1.0, 0.37, 3.5e-3):
+        s = torch.tensor([scale], device="cuda")
+        rows = x.view(1, -1)
+        assert_same_codes(quantize_fp8(rows, s), quantize_fp8_ref(rows, s), rows, s.view(1, 1))
+    g = torch.Generator().manual_seed(1)
+    acts = torch.randn(2048, 4096, generator=g) * torch.rand(2048, 1, generator=g) * 20
+    acts[0, :300] = 0  # zero groups
+    acts = acts.to(dtype).cuda()
+    for group in (None, 128):
+        (q, s), (q_ref, s_ref) = (
+            quantize_fp8_groups(acts, group),
+            quantize_fp8_groups_ref(acts, group),
+        )
+        differ = s != s_ref
+        assert not differ.any(), (
+            f"group {group}: {int(differ.sum())} scales differ; first at "
+            f"{differ.nonzero()[0].tolist()}: kernel {s[differ][0].item()!r}, reference "
+            f"{s_ref[differ][0].item()!r}"
+        )
+        assert_same_codes(q, q_ref, acts, s)

@@ -62,6 +62,33 @@ def test_store_kvcache_rejects_bad_args(device):
         store_kvcache(k, v, k_cache, v_cache, slots, torch.ones(2, device=device))
 
 
+def assert_same_codes(cache, ref, x, slots, scale, name: str) -> None:
+    """FP8 caches byte for byte; a failure names the first differing written value: its token,
+    head and column, the input, the scale and both codes (and counts differing unwritten ones)."""
+    got, want = cache.view(torch.uint8), ref.view(torch.uint8)
+    if torch.equal(got, want):
+        return
+    hk, d = x.shape[1:]
+    kept = (slots >= 0).nonzero().flatten()
+    rows_got = got.view(-1, hk, d)[slots[kept]]
+    rows_want = want.view(-1, hk, d)[slots[kept]]
+    bad = (rows_got != rows_want).nonzero()
+    written = torch.zeros(got.view(-1, hk, d).shape[0], dtype=torch.bool, device=got.device)
+    written[slots[kept]] = True
+    stray = int((got.view(-1, hk, d)[~written] != want.view(-1, hk, d)[~written]).sum())
+    msg = f"{name}: {len(bad)} written codes and {stray} unwritten ones differ"
+    if len(bad):
+        i, h, c = (int(j) for j in bad[0])
+        t = int(kept[i])
+        value = x[t, h, c].float().item()
+        msg += (
+            f"; first: token {t}, head {h}, column {c}: input {value!r} / scale "
+            f"{scale.item()!r} = {value / scale.item()!r}: kernel {int(rows_got[i, h, c]):#04x}, "
+            f"reference {int(rows_want[i, h, c]):#04x}"
+        )
+    raise AssertionError(msg)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T, nb, bs, hk, d", [(1, 2, 8, 1, 16), (10, 4, 16, 2, 32)])
 def test_store_kvcache_fp8_matches_ref(device, T, nb, bs, hk, d, dtype):
@@ -72,8 +99,8 @@ def test_store_kvcache_fp8_matches_ref(device, T, nb, bs, hk, d, dtype):
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     store_kvcache(k, v, k_cache, v_cache, slots, scale)
     store_kvcache_ref(k, v, k_ref, v_ref, slots, scale)
-    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
-    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    assert_same_codes(k_cache, k_ref, k, slots, scale[0], "k")
+    assert_same_codes(v_cache, v_ref, v, slots, scale[1], "v")
 
 
 def test_ref_matches_loop():
@@ -114,9 +141,10 @@ def test_store_kvcache_realistic():
 def test_store_kvcache_fp8_realistic():
     k, v, k_cache, v_cache, slots = _case(8192, 4096, 16, 8, 128, torch.bfloat16, "cuda")
     k_cache, v_cache = k_cache.to(FP8_DTYPE), v_cache.to(FP8_DTYPE)
+    k[1, 0, :8] = torch.tensor([0.0, -0.0, 1e-4, -1e-4, 2e-3, 3e-6, 9.0, -9.5])  # tiny, saturated
     scale = torch.tensor([0.02, 0.05], device="cuda")
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     store_kvcache(k, v, k_cache, v_cache, slots, scale)
     store_kvcache_ref(k, v, k_ref, v_ref, slots, scale)
-    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
-    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    assert_same_codes(k_cache, k_ref, k, slots, scale[0], "k")
+    assert_same_codes(v_cache, v_ref, v, slots, scale[1], "v")
