@@ -82,6 +82,28 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
 
 # Real architectures (examples/benchmarks/README.md) for random-weight benchmarks; built
 # directly on the device.
+# Llama 3.1's shared config (llama3 rope scaling, 128k vocabulary and context); the presets
+# below differ only in size.
+_LLAMA31 = {
+    "architectures": ["LlamaForCausalLM"],
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+}
+
 BENCH_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": {
         "architectures": ["Qwen3ForCausalLM"],
@@ -100,52 +122,20 @@ BENCH_PRESETS: dict[str, dict[str, Any]] = {
         "eos_token_id": 151645,
     },
     "llama3.1-8b": {
-        "architectures": ["LlamaForCausalLM"],
+        **_LLAMA31,
         "hidden_size": 4096,
         "intermediate_size": 14336,
         "num_hidden_layers": 32,
         "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "vocab_size": 128256,
-        "tie_word_embeddings": False,
-        "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 128000,
-        "eos_token_id": [128001, 128008, 128009],
     },
     # 140 GB in bf16: more than one GPU holds; run with --tensor-parallel-size (each rank builds
     # only its share).
     "llama3.1-70b": {
-        "architectures": ["LlamaForCausalLM"],
+        **_LLAMA31,
         "hidden_size": 8192,
         "intermediate_size": 28672,
         "num_hidden_layers": 80,
         "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "vocab_size": 128256,
-        "tie_word_embeddings": False,
-        "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 128000,
-        "eos_token_id": [128001, 128008, 128009],
     },
     # 30.5B parameters (61 GB in bf16), 3.3B active: 8 of 128 experts per token.
     "qwen3-30b-a3b": {
