@@ -64,7 +64,8 @@ def fp8_effect(exact: LLM, batch, outs) -> float:
 def assert_tracks(gpu_outs, cpu_outs, tau: float) -> None:
     """Greedy runs with top-k log-probs: up to and including the first token where they differ
     (the same prefix on both sides), every token both runs list has log-probs within tau, and at
-    that token each run lists the other's choice (a near tie: within 2 * tau by the above)."""
+    that token each run's choice is within tau in the other run: its log-prob there if listed,
+    else at most the smallest listed one (a near tie: within 2 * tau by the above)."""
     report, failures = [], []
     for i, (g, c) in enumerate(zip(gpu_outs, cpu_outs)):
         g, c = g.outputs[0], c.outputs[0]
@@ -84,9 +85,12 @@ def assert_tracks(gpu_outs, cpu_outs, tau: float) -> None:
             gl, cl = g.logprobs[d], c.logprobs[d]
             line += (f", first divergence at token {d}: gpu {gt} (cpu's log-prob {cl.get(gt)}), "
                      f"cpu {ct} (gpu's log-prob {gl.get(ct)})")  # fmt: skip
-            if gt not in cl or ct not in gl:
-                failures.append(f"prompt {i} token {d}: the runs' choices are not in each other's "
-                                f"top log-probs: {gl} vs {cl}")  # fmt: skip
+            # A choice the other run does not list has a log-prob there of at most its smallest
+            # listed one; tracking within tau needs that bound to reach down to (own - tau).
+            for own, other, tok in ((gl, cl, gt), (cl, gl, ct)):
+                if tok not in other and min(other.values()) < own[tok] - tau:
+                    failures.append(f"prompt {i} token {d}: choice {tok} ({own[tok]:.4f}) "
+                                    f"> tau below the other's top log-probs {other}")  # fmt: skip
         report.append(line)
     print("\n".join(report))
     assert not failures, "\n".join(failures[:10] + report)

@@ -133,8 +133,16 @@ def test_qwen3_30b_a3b_layers_bf16_logits_match_transformers():
     ours_err = (ours - ref).abs().max().item()
     hf_err = (hf_bf16 - ref).abs().max().item()
     assert ours_err <= 1.5 * hf_err + 1e-3, (ours_err, hf_err)
-    # And the argmax agrees where the reference is not a near-tie.
-    top2 = ref.topk(2).values
-    clear = (top2[:, 0] - top2[:, 1]) > 4 * hf_err
-    assert clear.sum() > 10
-    assert torch.equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear])
+    # And the greedy choice: ours agrees with the fp32 reference's argmax about as often as
+    # transformers' bf16 does. (Near-ties are everywhere: random weights give a median top-2
+    # gap of ~0.14 against a max bf16 error of ~2, so no token is "clearly" decided.)
+    a = ref.argmax(-1)
+    ours_agree = (ours.argmax(-1) == a).float().mean().item()
+    hf_agree = (hf_bf16.argmax(-1) == a).float().mean().item()
+    ours_mean, hf_mean = (ours - ref).abs().mean().item(), (hf_bf16 - ref).abs().mean().item()
+    print(
+        f"max |err| ours {ours_err:.3f} hf bf16 {hf_err:.3f}; mean {ours_mean:.4f} vs "
+        f"{hf_mean:.4f}; argmax agreement {ours_agree:.3f} vs {hf_agree:.3f} of {len(a)}"
+    )
+    assert ours_mean <= 1.5 * hf_mean, (ours_mean, hf_mean)
+    assert ours_agree >= hf_agree - 0.03, (ours_agree, hf_agree)
