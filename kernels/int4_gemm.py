@@ -18,7 +18,12 @@ dtype) go through tl.dot with fp32 accumulation; the group scale multiplies the 
 product (BLOCK_K divides G, so a tile lies in one group). BLOCK_M < 16 (a handful of rows)
 multiplies and sums in fp32 on the CUDA cores instead of tl.dot. With `magic` (16-bit activations)
 each nibble becomes a 16-bit float by bit operations alone (module constant MAGIC), the offset
-and the zero points coming off through x's row sums after the product.
+and the zero points coming off through x's row sums after the product. With `split8` the tile is
+not reshaped to [BLOCK_K, BLOCK_N]: nibble j of the [BLOCK_K / 8, BLOCK_N] words is the weight of
+layout rows 8i + j, multiplied by x's columns k0 + 8i + j, eight products of BLOCK_K / 8 rows
+each. The words then reach the MMA's operand layout straight from their load; the reshape stages
+a 16-bit [BLOCK_K, BLOCK_N] tile through shared memory (sm_90 PTX of a 16 x 128 x 128 tile: 153
+shared stores a thread an iteration against 18).
 """
 
 from __future__ import annotations
@@ -44,11 +49,37 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     magic: bool = False  # 16-bit activations: weights as float bits (MAGIC), no int -> float
+    split8: bool = False  # eight products of K / 8 rows, one per nibble, instead of a reshape
 
 
 # The 16-bit float whose bit pattern ORed with q (0 .. 15) is that float plus q, exactly: 128 in
 # bfloat16 (7 mantissa bits, spacing 1 from 128 to 256) and 1024 in float16 (10 bits).
 MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+
+
+@triton.jit
+def _tile_product(
+    a, q, z, BLOCK_M: tl.constexpr, F32: tl.constexpr, MAGIC_BITS: tl.constexpr
+):  # fmt: skip
+    # a [BM, KK] x (q - z) [KK, BN] in fp32 for nibbles q (0 .. 15) and zero points z [BN]. With
+    # MAGIC_BITS the weights enter as MAGIC_VALUE + q (a 16-bit float made by ORing the bits, no
+    # int -> float conversion) and the caller takes (MAGIC_VALUE + z) * (x's row sums) off.
+    if MAGIC_BITS != 0:
+        b = (q | MAGIC_BITS).to(tl.int16).to(a.dtype, bitcast=True)  # [KK, BN]
+        if BLOCK_M >= 16:
+            part = tl.dot(a, b)
+        else:
+            part = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+    else:
+        b = q.to(tl.float32) - z[None, :]  # [KK, BN] integers -16 .. 15
+        if BLOCK_M >= 16:
+            if F32:
+                part = tl.dot(a, b, input_precision="ieee")
+            else:
+                part = tl.dot(a, b.to(a.dtype))  # exact: small integers
+        else:
+            part = tl.sum(a.to(tl.float32)[:, :, None] * b[None, :, :], axis=1)
+    return part
 
 
 @triton.jit
@@ -58,7 +89,8 @@ def _int4_gemm_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTIAL: tl.constexpr, HAS_PERM: tl.constexpr, HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr, ADD_RES: tl.constexpr, F32: tl.constexpr,
-    MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, USE_PDL: tl.constexpr,
+    MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, SPLIT8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Grid (N tiles, M tiles, splits). Program (pn, pm, ps): rows [pm*BM, +BM), columns
     # [pn*BN, +BN), K range [ps*k_per_split, +k_per_split) (a multiple of BLOCK_K).
@@ -77,46 +109,47 @@ def _int4_gemm_kernel(
     k_begin = pid_s * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        cols = k0 + rows_k  # [BK] positions in the layout's K order
-        if HAS_PERM:
-            cols = tl.load(perm_ptr + cols)  # the input channels they hold
-        a = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None], other=0.0
-        )
         packed = tl.load(
             qw_ptr + (k0 // 8 + rows_p)[:, None] * stride_qk + offs_n[None, :],
             mask=mask_n[None, :],
             other=0,
         )  # [BK / 8, BN] int32
-        # Nibble j of packed row i is layout row 8i + j: [BK / 8, 8, BN] -> [BK, BN].
-        q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
         g = k0 // GROUP
         s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         if HAS_ZEROS:
             z = tl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         else:
             z = tl.full((BLOCK_N,), 8.0, tl.float32)
-        if MAGIC_BITS != 0:
-            # MAGIC_BITS | q, read as a 16-bit float, is MAGIC_VALUE + q exactly: the weights
-            # reach the product without an int -> float conversion. The row sums of x take the
-            # offset and the zero point off afterwards: sum_k x (q - z) =
-            # x @ (MAGIC_VALUE + q) - (MAGIC_VALUE + z) * sum_k x.
-            b = (q | MAGIC_BITS).to(tl.int16).to(a.dtype, bitcast=True)  # [BK, BN]
-            if BLOCK_M >= 16:
-                part = tl.dot(a, b)
-            else:
-                part = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
-            row_sums = tl.sum(a.to(tl.float32), axis=1)  # [BM]
-            part = part - row_sums[:, None] * (z + MAGIC_VALUE)[None, :]
+        if SPLIT8:
+            # Nibble j of packed row i is layout row 8i + j: eight [BK / 8]-row products.
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            row_sums = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for j in tl.static_range(8):
+                cols = k0 + rows_p * 8 + j  # [BK / 8] positions in the layout's K order
+                if HAS_PERM:
+                    cols = tl.load(perm_ptr + cols)  # the input channels they hold
+                a = tl.load(
+                    x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
+                    mask=mask_m[:, None],
+                    other=0.0,
+                )
+                part += _tile_product(a, (packed >> (4 * j)) & 0xF, z, BLOCK_M, F32, MAGIC_BITS)
+                if MAGIC_BITS != 0:
+                    row_sums += tl.sum(a.to(tl.float32), axis=1)
         else:
-            b = q.to(tl.float32) - z[None, :]  # [BK, BN] integers -16 .. 15
-            if BLOCK_M >= 16:
-                if F32:
-                    part = tl.dot(a, b, input_precision="ieee")
-                else:
-                    part = tl.dot(a, b.to(a.dtype))  # exact: small integers
-            else:
-                part = tl.sum(a.to(tl.float32)[:, :, None] * b[None, :, :], axis=1)
+            cols = k0 + rows_k  # [BK] positions in the layout's K order
+            if HAS_PERM:
+                cols = tl.load(perm_ptr + cols)
+            a = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None], other=0.0
+            )
+            # Nibble j of packed row i is layout row 8i + j: [BK / 8, 8, BN] -> [BK, BN].
+            q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+            part = _tile_product(a, q, z, BLOCK_M, F32, MAGIC_BITS)
+            row_sums = tl.sum(a.to(tl.float32), axis=1)  # [BM]
+        if MAGIC_BITS != 0:
+            # sum_k x (q - z) = x @ (MAGIC_VALUE + q) - (MAGIC_VALUE + z) * sum_k x.
+            part = part - row_sums[:, None] * (z + MAGIC_VALUE)[None, :]
         acc += part * s[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if PARTIAL:
@@ -188,7 +221,8 @@ def check_layout(
 
 
 def check_config(op: str, config: GemmConfig, k: int, group_size: int) -> None:
-    """block_k: a multiple of 16 (tl.dot) dividing the group size; the rest powers of two."""
+    """block_k: a multiple of 16 (tl.dot) dividing the group size, and >= 128 for split8 tiles of
+    16 rows or more; the rest powers of two."""
     bk = config.block_k
     if bk % 16 or group_size % bk or k % bk:
         raise ValueError(f"{op}: block_k={bk} must be a multiple of 16 dividing the group size "
@@ -197,6 +231,9 @@ def check_config(op: str, config: GemmConfig, k: int, group_size: int) -> None:
         v = getattr(config, name)
         if v < 1 or v & (v - 1) or (name == "block_n" and v < 16):
             raise ValueError(f"{op}: {name}={v} must be a power of two (block_n >= 16)")
+    if config.split8 and config.block_m >= 16 and bk < 128:
+        raise ValueError(f"{op}: split8 with block_m >= 16 needs block_k >= 128 (tl.dot takes "
+                         f"K / 8 >= 16 rows), got block_k={bk}")  # fmt: skip
     if config.split_k < 1:
         raise ValueError(f"{op}: split_k={config.split_k} must be >= 1")
 
@@ -276,7 +313,7 @@ def int4_gemm(
         PARTIAL=partial, HAS_PERM=perm is not None, HAS_ZEROS=zeros is not None,
         HAS_BIAS=bias is not None,
         ADD_RES=residual is not None, F32=x.dtype == torch.float32,
-        MAGIC_BITS=magic[0], MAGIC_VALUE=magic[1], USE_PDL=pdl,
+        MAGIC_BITS=magic[0], MAGIC_VALUE=magic[1], SPLIT8=config.split8, USE_PDL=pdl,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     if partial:

@@ -80,8 +80,9 @@ def time_shape(n: int, k: int, rows: list[int], group: int, act_order: bool, rep
 
 
 def _label(cfg) -> str:
+    flags = "".join(f" {f}" for f in ("magic", "split8") if getattr(cfg, f))
     return (f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} s{cfg.split_k} "
-            f"w{cfg.num_warps} st{cfg.num_stages}{' magic' if cfg.magic else ''}")  # fmt: skip
+            f"w{cfg.num_warps} st{cfg.num_stages}{flags}")  # fmt: skip
 
 
 def _runner(option, x, packs):

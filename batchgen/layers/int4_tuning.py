@@ -94,9 +94,9 @@ def default_config(m: int, n: int, k: int, group: int, sms: int = 132) -> GemmCo
 
 
 def candidates(m: int, n: int, k: int, group: int, sms: int) -> list[GemmConfig | str]:
-    """What is timed for m rows (a row class): tiles around the heuristic's, each also with
-    magic weights (16-bit activations; the same as plain for fp32), and DEQUANT from
-    DEQUANT_MIN_ROWS rows."""
+    """What is timed for m rows (a row class): tiles around the heuristic's, those of 16-32 rows
+    also as split8, each also with magic weights (16-bit activations; the same as plain for
+    fp32), and DEQUANT from DEQUANT_MIN_ROWS rows."""
     out: list[GemmConfig | str] = [default_config(m, n, k, group, sms)]
 
     def add(bm: int, bn: int, bk: int, warps: int, stages: int, split: int | None = None):
@@ -128,6 +128,9 @@ def candidates(m: int, n: int, k: int, group: int, sms: int) -> list[GemmConfig 
             for stages in (3, 4):
                 add(128, bn, 64, 8, stages, split=1)
         add(256, 128, 64, 8, 3, split=1)
+    # The tl.dot tiles of 16-32 rows again as eight per-nibble products (GemmConfig.split8): no
+    # reshape staged through shared memory (the wgmma tiles of 64 rows or more stage B anyway).
+    out += [replace(c, split8=True) for c in out if 16 <= c.block_m <= 32 and c.block_k >= 128]
     # Each again with the weights made 16-bit floats by bit operations (GemmConfig.magic).
     out += [replace(c, magic=True) for c in out]
     if m >= DEQUANT_MIN_ROWS and group % 32 == 0:

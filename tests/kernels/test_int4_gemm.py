@@ -64,6 +64,11 @@ CASES = [
     (16, 128, 64, 32, GemmConfig(16, 64, 32)),
     (40, 256, 48, 256, GemmConfig(32, 16, 64, split_k=3)),
     (20, 512, 32, 128, GemmConfig(16, 32, 128, split_k=4, num_warps=8)),
+    # split8: eight products of K / 8 rows, one per nibble (CUDA cores, then tl.dot).
+    (1, 256, 96, 64, GemmConfig(1, 32, 64, split8=True)),
+    (3, 128, 64, 32, GemmConfig(4, 16, 32, split_k=2, split8=True)),
+    (20, 512, 48, 128, GemmConfig(16, 32, 128, split_k=2, split8=True)),
+    (40, 256, 32, 256, GemmConfig(32, 16, 128, split8=True)),
 ]
 
 
@@ -79,9 +84,16 @@ def test_int4_gemm_matches_ref(device, close, m, k, n, group, config, dtype):
     close(got, int4_gemm_ref(x.to(device), *args, group), dtype, scale=4)
 
 
-@pytest.mark.parametrize("config", [GemmConfig(2, 32, 32), GemmConfig(16, 32, 64, split_k=2)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        GemmConfig(2, 32, 32),
+        GemmConfig(16, 32, 64, split_k=2),
+        GemmConfig(16, 32, 128, split8=True),
+    ],
+)
 def test_int4_gemm_perm_bias_residual(device, close, config):
-    k, n, group = 128, 64, 64
+    k, n, group = 256, 64, 128
     _, qweight, scales, zeros = packed_weight(k, n, group, seed=5, dtype=torch.float32)
     g = torch.Generator().manual_seed(6)
     x = torch.randn(7, k, generator=g)
@@ -119,6 +131,8 @@ def test_int4_gemm_rejects_bad_arguments(device):
         int4_gemm(x, qweight, scales[:1], zeros, 32, GemmConfig(16, 32, 32))
     with pytest.raises(ValueError, match="qweight must be"):
         int4_gemm(x, qweight.float(), scales, zeros, 32, GemmConfig(16, 32, 32))
+    with pytest.raises(ValueError, match="split8 with block_m >= 16 needs block_k >= 128"):
+        int4_gemm(x, qweight, scales, zeros, 32, GemmConfig(16, 32, 32, split8=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -152,6 +166,8 @@ LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
         (1, GemmConfig(1, 64, 128, split_k=4, magic=True)),
         (16, GemmConfig(16, 64, 128, split_k=4, magic=True)),
         (2048, GemmConfig(128, 256, 64, num_warps=8, num_stages=3, magic=True)),
+        (1, GemmConfig(16, 128, 128, split_k=8, num_stages=4, magic=True, split8=True)),
+        (32, GemmConfig(32, 64, 128, split_k=4, split8=True)),
     ],
 )
 def test_int4_gemm_llama_shapes(close, n, k, m, config):
@@ -193,14 +209,18 @@ def test_symmetric_weights_need_no_zeros(device, close, config):
 
 @pytest.mark.parametrize(
     "m, config",
-    [(1, GemmConfig(1, 32, 64, magic=True)), (5, GemmConfig(16, 32, 32, split_k=2, magic=True))],
+    [
+        (1, GemmConfig(1, 32, 64, magic=True)),
+        (5, GemmConfig(16, 32, 32, split_k=2, magic=True)),
+        (5, GemmConfig(16, 32, 128, magic=True, split8=True)),
+    ],
 )
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_magic_weights_match_ref(device, close, m, config, symmetric):
     # Nibbles turned into float16 by their bits (1024 + q), the offset and zero points taken off
     # through x's row sums: the same product (float16 here; bfloat16 in the gpu tests).
-    _, qweight, scales, zeros = packed_weight(128, 64, 64, seed=10)
+    _, qweight, scales, zeros = packed_weight(256, 64, 128, seed=10)
     zeros = None if symmetric else zeros
-    x = torch.randn(m, 128, generator=torch.Generator().manual_seed(3)).half()
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(3)).half()
     args = [v.to(device) if v is not None else None for v in (x, qweight, scales, zeros)]
-    close(int4_gemm(*args, 64, config), int4_gemm_ref(*args, 64), torch.float16, scale=8)
+    close(int4_gemm(*args, 128, config), int4_gemm_ref(*args, 128), torch.float16, scale=8)

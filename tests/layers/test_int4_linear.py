@@ -93,6 +93,10 @@ def test_every_candidate_is_a_valid_launch(n, k, group):
             if option != int4_tuning.DEQUANT:
                 check_config("candidate", option, k, g)  # raises on an invalid one
         assert (int4_tuning.DEQUANT in options) == (m >= int4_tuning.DEQUANT_MIN_ROWS)
+        # Classes of up to 32 rows also time per-nibble (split8) tl.dot tiles, plain and magic,
+        # where a 128-row K tile fits in a group.
+        split8 = {o.magic for o in options if o != int4_tuning.DEQUANT and o.split8}
+        assert split8 == ({False, True} if m <= 32 and g % 128 == 0 else set())
 
 
 def test_decode_heuristic_fills_the_gpu():
