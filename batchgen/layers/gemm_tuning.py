@@ -24,10 +24,8 @@ with cuBLASLt. A cache that cannot be read or written is skipped with a warning.
 
 from __future__ import annotations
 
-import json
 import os
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +33,8 @@ import torch.nn.functional as F
 
 from batchgen.bench.timing import graph_median_us
 from batchgen.cache_dir import user_cache_dir
-from batchgen.io.atomic import write_bytes
 from batchgen.layers import linear
+from batchgen.layers.tuning_cache import read_records, write_records
 
 # A candidate must beat cuBLAS's pick by this fraction to replace it (below it, timing noise).
 TUNE_MIN_GAIN = 0.02
@@ -94,15 +92,7 @@ def _load_cache(path: str) -> None:
     if _loaded_from == path:
         return
     _loaded_from = path
-    if not os.path.exists(path):
-        return
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        if data.get("version") == CACHE_VERSION and isinstance(data.get("results"), dict):
-            _results.update((k, v) for k, v in data["results"].items() if _valid_record(v))
-    except (OSError, ValueError, AttributeError) as exc:
-        warnings.warn(f"GEMM tuning cache {path} skipped: {exc}", stacklevel=3)
+    _results.update(read_records(path, CACHE_VERSION, _valid_record, "GEMM tuning cache"))
 
 
 def _valid_record(record) -> bool:
@@ -115,22 +105,8 @@ def _valid_record(record) -> bool:
 
 
 def _save_cache(path: str) -> None:
-    # Records another process wrote since this one read the file (tensor-parallel ranks tune
-    # at once: the other ranks' shapes, e.g. o / down without accumulation) are kept.
-    on_disk: dict[str, dict] = {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        if data.get("version") == CACHE_VERSION and isinstance(data.get("results"), dict):
-            on_disk = {k: v for k, v in data["results"].items() if _valid_record(v)}
-    except (OSError, ValueError, AttributeError):
-        pass
-    data = {"version": CACHE_VERSION, "results": {**on_disk, **_results}}
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_bytes(path, json.dumps(data, indent=0, sort_keys=True).encode())
-    except OSError as exc:
-        warnings.warn(f"GEMM tuning cache {path} not written: {exc}", stacklevel=3)
+    # Records another process wrote since this one read the file are kept (tuning_cache.py).
+    write_records(path, CACHE_VERSION, _results, _valid_record, "GEMM tuning cache")
 
 
 def _cache_key(m: int, weight: torch.Tensor, accumulate: bool, lt_version: int) -> str:

@@ -12,21 +12,28 @@ so those are tuned already), and by the interpreter.
 How: candidates run in a CUDA graph over the weights of registered layers of the same shape
 (Int4Linear.set_packed registers them; SCREEN_BYTES of them), so a decode-sized product streams
 from HBM as in a step instead of from L2; the median of TUNE_REPLAYS replays decides. Results
-live for the process.
+live for the process and in int4_tuning.json under the user's cache directory (as
+gemm_tuning.json: BATCHGEN_CACHE_DIR, else ~/.cache/batchgen), keyed by GPU, Triton version, the
+candidate list (a changed list times again), activation dtype, row class and weight shape, so a
+later process on the machine skips the timing (minutes for a 70B model's row classes).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import warnings
 import weakref
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 
 from batchgen.bench.timing import graph_median_us
+from batchgen.cache_dir import user_cache_dir
 from batchgen.kernels.int4_dequant import dequantize_int4
 from batchgen.kernels.int4_gemm import MAGIC, GemmConfig, int4_gemm
-from batchgen.kernels.launch import interpreting, num_sms
+from batchgen.kernels.launch import interpreting, num_sms, triton
+from batchgen.layers.tuning_cache import read_records, write_records
 
 DEQUANT = "dequant"  # the dequantize + cuBLAS path
 # Timing on (the first use of each row class and shape times the candidates); off: heuristic.
@@ -39,8 +46,13 @@ DEQUANT_MIN_ROWS = 1024
 # Row classes: powers of two up to this, then multiples of it.
 _CLASS_CAP = 4096
 
+CACHE_NAME = "int4_tuning.json"
+CACHE_VERSION = 1
+_CACHE_WHAT = "4-bit GEMM tuning cache"
+
 _choices: dict[tuple, GemmConfig | str] = {}
 _layers: dict[tuple, weakref.WeakSet] = {}
+_disk: dict[str, dict] | None = None  # the cache file's records, read at the first timing
 
 
 def row_class(m: int) -> int:
@@ -60,8 +72,57 @@ def register(layer) -> None:
 
 
 def forget() -> None:
-    """Drop every choice made so far (tests, or after changing TUNE or the candidates)."""
+    """Drop every choice made so far (tests, or after changing TUNE or the candidates); the
+    cache file is read again at the next timing."""
+    global _disk
     _choices.clear()
+    _disk = None
+
+
+def cache_path() -> str:
+    return os.path.join(user_cache_dir(), CACHE_NAME)
+
+
+def _valid_record(record) -> bool:
+    return isinstance(record, dict) and (
+        record.get("choice") == DEQUANT or isinstance(record.get("choice"), dict)
+    )
+
+
+def disk_key(m: int, layer, dtype: torch.dtype, options: list) -> str:
+    """The cache file's key of m rows (a row class) through `layer`'s shape among `options`."""
+    n, k, group, perm = _shape_key(layer)
+    search = hashlib.sha1(repr(options).encode()).hexdigest()[:12]
+    gpu = torch.cuda.get_device_name(layer.weight.device)
+    return (
+        f"{gpu}|triton{triton.__version__}|{search}|r{TUNE_REPLAYS}s{SCREEN_BYTES >> 20}|"
+        f"{str(dtype).removeprefix('torch.')}|m{m}n{n}k{k}g{group}|{'perm' if perm else 'inorder'}"
+    )
+
+
+def cached_choice(key: str, options: list) -> GemmConfig | str | None:
+    """The choice the cache file holds under `key` if it is one of `options`, else None."""
+    global _disk
+    if _disk is None:
+        _disk = read_records(cache_path(), CACHE_VERSION, _valid_record, _CACHE_WHAT)
+    record = _disk.get(key)
+    if record is None:
+        return None
+    if record["choice"] == DEQUANT:
+        return DEQUANT if DEQUANT in options else None
+    try:
+        choice = GemmConfig(**record["choice"])
+    except TypeError:  # fields of another version of GemmConfig
+        return None
+    return choice if choice in options else None
+
+
+def store_choice(key: str, choice: GemmConfig | str) -> None:
+    """Add `key`'s choice to the cache file (merged with what other processes wrote)."""
+    global _disk
+    record = {"choice": DEQUANT if choice == DEQUANT else asdict(choice)}
+    _disk = {**(_disk or {}), key: record}
+    write_records(cache_path(), CACHE_VERSION, {key: record}, _valid_record, _CACHE_WHAT)
 
 
 def _split(tiles: int, k: int, block_k: int, sms: int) -> int:
@@ -156,7 +217,11 @@ def choose(m: int, layer, dtype: torch.dtype) -> GemmConfig | str:
     options = candidates(row_class(m), n, k, group, sms)
     if dtype not in MAGIC:  # magic tiles are the plain ones for fp32 activations
         options = [o for o in options if o == DEQUANT or not o.magic]
-    choice = fastest(options, row_class(m), layers, dtype)
+    stored = disk_key(row_class(m), layer, dtype, options)
+    choice = cached_choice(stored, options)
+    if choice is None:
+        choice = fastest(options, row_class(m), layers, dtype)
+        store_choice(stored, choice)
     _choices[key] = choice
     return choice
 

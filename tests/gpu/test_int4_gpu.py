@@ -50,6 +50,23 @@ def test_tuned_paths_equal_the_reference(n, k, m):
     assert int4_tuning._choices  # the row class was timed, and the winner ran
 
 
+def test_choices_persist_for_the_next_process(tmp_path, monkeypatch):
+    # The first product of a row class times the candidates and writes the winner to
+    # int4_tuning.json; a later process (forget(): nothing in memory) reads it, timing nothing.
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    int4_tuning.forget()
+    lin = layer(4096, 4096)
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    want = lin(x)
+    first = dict(int4_tuning._choices)
+    assert len(first) == 1 and (tmp_path / "int4_tuning.json").exists()
+    int4_tuning.forget()
+    monkeypatch.setattr(int4_tuning, "fastest", lambda *a: pytest.fail("timed again"))
+    assert torch.equal(lin(x), want)
+    assert int4_tuning._choices == first
+    int4_tuning.forget()
+
+
 @pytest.mark.parametrize("act_order, sym, group", [(True, False, 128), (False, False, 32),
                                                    (True, True, -1)])  # fmt: skip
 def test_act_order_and_zero_points_on_both_paths(act_order, sym, group):

@@ -99,6 +99,62 @@ def test_every_candidate_is_a_valid_launch(n, k, group):
         assert split8 == ({False, True} if m <= 32 and g % 128 == 0 else set())
 
 
+@pytest.fixture
+def int4_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    int4_tuning.forget()
+    yield tmp_path / "int4_tuning.json"
+    int4_tuning.forget()
+
+
+def test_tuning_cache_round_trip(int4_cache):
+    options = int4_tuning.candidates(2048, 4096, 4096, 128, 132)
+    tile = options[3]
+    int4_tuning.store_choice("a", tile)
+    int4_tuning.store_choice("b", int4_tuning.DEQUANT)
+    int4_tuning.forget()  # a new process: only the file remains
+    assert int4_tuning.cached_choice("a", options) == tile
+    assert int4_tuning.cached_choice("b", options) is int4_tuning.DEQUANT  # identity: dispatch
+    assert int4_tuning.cached_choice("c", options) is None
+    # A stored choice that is not among today's candidates is timed again.
+    assert int4_tuning.cached_choice("a", options[:3]) is None
+    assert int4_tuning.cached_choice("b", options[:3]) is None
+
+
+def test_tuning_cache_keeps_other_processes_records_and_skips_bad_ones(int4_cache):
+    import json
+
+    theirs = {"choice": {"block_m": 16, "block_n": 64, "block_k": 128, "bogus": 1}}
+    int4_cache.write_text(json.dumps({"version": int4_tuning.CACHE_VERSION, "results": {
+        "theirs": theirs, "broken": {"choice": 7}}}))  # fmt: skip
+    int4_tuning.store_choice("ours", int4_tuning.default_config(1, 64, 256, 128))
+    saved = json.loads(int4_cache.read_text())["results"]
+    assert set(saved) == {"theirs", "ours"} and saved["theirs"] == theirs
+    int4_tuning.forget()
+    options = int4_tuning.candidates(1, 64, 256, 128, 132)
+    assert int4_tuning.cached_choice("theirs", options) is None  # fields GemmConfig lacks
+    assert int4_tuning.cached_choice("ours", options) == options[0]
+    int4_cache.write_text("{not json")
+    int4_tuning.forget()
+    with pytest.warns(UserWarning, match="4-bit GEMM tuning cache"):
+        assert int4_tuning.cached_choice("ours", options) is None
+
+
+def test_tuning_cache_key_names_gpu_candidates_dtype_rows_and_shape(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU-X")
+    lin = Int4Linear(256, 64, bias=False)
+    lin.set_packed(packed(256, 64, 128))
+    options = int4_tuning.candidates(16, 64, 256, 128, 132)
+    key = int4_tuning.disk_key(16, lin, torch.bfloat16, options)
+    assert key.startswith("GPU-X|triton") and key.endswith("|bfloat16|m16n64k256g128|inorder")
+    others = [
+        int4_tuning.disk_key(32, lin, torch.bfloat16, options),
+        int4_tuning.disk_key(16, lin, torch.float16, options),
+        int4_tuning.disk_key(16, lin, torch.bfloat16, options[:-1]),
+    ]
+    assert len({key, *others}) == 4
+
+
 def test_decode_heuristic_fills_the_gpu():
     # One row through a 4096 x 4096 weight: K is split so about two programs run per SM.
     cfg = int4_tuning.default_config(1, 4096, 4096, 128, 132)
