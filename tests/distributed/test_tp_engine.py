@@ -7,11 +7,10 @@ tests; the reference is the same model at tensor_parallel_size 1 in this process
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from tp_compare import assert_same_generations, assert_same_scores, mixed_params, random_prompts
 
-from batchgen import LLM, SamplingParams
+from batchgen import LLM
 from batchgen.models.make_model import make_model
 
 VARIANTS = {
@@ -35,20 +34,7 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    rng = random.Random(3)
-    return [[0] + [rng.randrange(5, 500) for _ in range(rng.randrange(2, 60))] for _ in range(6)]
-
-
-def params() -> list[SamplingParams]:
-    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=3)
-    return [
-        greedy,
-        greedy,
-        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=5),
-        SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, n=2, seed=9),
-        greedy,
-        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, repetition_penalty=1.3),
-    ]
+    return random_prompts()
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -65,30 +51,10 @@ def engines(request, tmp_path_factory):
 
 def test_generate_equals_one_rank(engines, prompts):
     single, parallel = engines
-    want = single.generate(prompts, params(), use_tqdm=False)
-    got = parallel.generate(prompts, params(), use_tqdm=False)
-    assert all(o.error is None for o in got)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
-    for g, w in zip(got, want):
-        if w.logprobs is None:
-            continue
-        for g_step, w_step in zip(g.logprobs, w.logprobs):
-            assert g_step.keys() == w_step.keys()
-            assert max(abs(g_step[t] - w_step[t]) for t in w_step) <= 1e-4
-    # The reference did generate: the models produce distinct, non-trivial outputs.
-    assert len({tuple(o.token_ids) for o in want}) > 1
+    want = single.generate(prompts, mixed_params(MAX_TOKENS, 3), use_tqdm=False)
+    got = parallel.generate(prompts, mixed_params(MAX_TOKENS, 3), use_tqdm=False)
+    assert_same_generations(got, want)
 
 
 def test_scores_within_1e4(engines, prompts):
-    single, parallel = engines
-    candidates = [[p[1:6], p[3:4], [7, 8, 9, 10]] for p in prompts[:4]]
-    heads = [p[:20] for p in prompts[:4]]
-    want = single.score(heads, candidates, return_token_logprobs=True, use_tqdm=False)
-    got = parallel.score(heads, candidates, return_token_logprobs=True, use_tqdm=False)
-    for g_row, w_row in zip(got, want):
-        for g, w in zip(g_row, w_row):
-            assert g.error is None and g.num_tokens == w.num_tokens
-            assert abs(g.score - w.score) <= 1e-4
-            assert max(abs(a - b) for a, b in zip(g.token_logprobs, w.token_logprobs)) <= 1e-4
-            assert g.greedy_match == w.greedy_match
+    assert_same_scores(*engines, prompts)

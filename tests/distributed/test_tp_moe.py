@@ -18,8 +18,9 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
+from tp_compare import assert_same_generations, assert_same_scores, mixed_params, random_prompts
 
-from batchgen import LLM, SamplingParams
+from batchgen import LLM
 from batchgen.config import ConfigError, EngineConfig
 from batchgen.distributed.group import TensorParallel
 from batchgen.engine.tensor_parallel import check_tensor_parallel
@@ -201,20 +202,7 @@ def test_logits_equal_one_rank_on_a_ragged_batch(model_dirs, tmp_path):
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    rng = random.Random(3)
-    return [[0] + [rng.randrange(5, 500) for _ in range(rng.randrange(2, 60))] for _ in range(6)]
-
-
-def params() -> list[SamplingParams]:
-    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=5)
-    return [
-        greedy,
-        greedy,
-        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=5),
-        SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, n=2, seed=9),
-        greedy,
-        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, repetition_penalty=1.3),
-    ]
+    return random_prompts()
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -231,31 +219,13 @@ def test_generate_equals_one_rank(engines, prompts):
     single, parallel = engines
     counters = [llm.engine.runner.model.expert_counter for llm in (single, parallel)]
     before = [c.read() for c in counters]
-    want = single.generate(prompts, params(), use_tqdm=False)
-    got = parallel.generate(prompts, params(), use_tqdm=False)
-    assert all(o.error is None for o in got)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
-    for g, w in zip(got, want):
-        if w.logprobs is None:
-            continue
-        for g_step, w_step in zip(g.logprobs, w.logprobs):
-            assert g_step.keys() == w_step.keys()
-            assert max(abs(g_step[t] - w_step[t]) for t in w_step) <= 1e-4
-    assert len({tuple(o.token_ids) for o in want}) > 1  # distinct, non-trivial outputs
+    want = single.generate(prompts, mixed_params(MAX_TOKENS, 5), use_tqdm=False)
+    got = parallel.generate(prompts, mixed_params(MAX_TOKENS, 5), use_tqdm=False)
+    assert_same_generations(got, want)
     # The replicated router sends rank 0's tokens to the experts one rank's model picks.
     touched = [c.read() - b for c, b in zip(counters, before)]
     assert touched[0] == touched[1] > 0
 
 
 def test_scores_within_1e4(engines, prompts):
-    single, parallel = engines
-    candidates = [[p[1:6], p[3:4], [7, 8, 9, 10]] for p in prompts[:4]]
-    heads = [p[:20] for p in prompts[:4]]
-    want = single.score(heads, candidates, return_token_logprobs=True, use_tqdm=False)
-    got = parallel.score(heads, candidates, return_token_logprobs=True, use_tqdm=False)
-    for g_row, w_row in zip(got, want):
-        for g, w in zip(g_row, w_row):
-            assert g.error is None and g.num_tokens == w.num_tokens
-            assert abs(g.score - w.score) <= 1e-4
-            assert max(abs(a - b) for a, b in zip(g.token_logprobs, w.token_logprobs)) <= 1e-4
+    assert_same_scores(*engines, prompts)
