@@ -118,8 +118,10 @@ def check_moe_args(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    weight_dtype: torch.dtype | None = None,
 ) -> None:
-    """Shapes and dtypes of a fused MoE call (see fused_moe)."""
+    """Shapes and dtypes of a fused MoE call (see fused_moe); the weights in weight_dtype
+    (None: hidden's dtype)."""
     op = "fused_moe"
     if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(
@@ -140,10 +142,9 @@ def check_moe_args(
         )
     if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():
         raise ValueError(f"{op}: topk_ids must be int32/int64 and topk_weights floating")
-    if w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
-        raise ValueError(
-            f"{op}: weights ({w13.dtype}, {w2.dtype}) must have hidden's dtype {hidden.dtype}"
-        )
+    want = weight_dtype or hidden.dtype
+    if w13.dtype != want or w2.dtype != want:
+        raise ValueError(f"{op}: weights ({w13.dtype}, {w2.dtype}) must be {want}")
 
 
 def fused_moe(
