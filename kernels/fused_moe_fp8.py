@@ -31,7 +31,7 @@ import torch
 from .fp8 import FP8_DTYPE, quantize_fp8_groups, quantize_fp8_groups_ref
 from .fp8_gemm import dequantize_blocks_ref
 from .fused_moe import _SUM_BLOCK, _moe_sum_kernel, check_moe_args
-from .fused_moe_tiles import MoeTiles, tile_config
+from .fused_moe_tiles import TOKEN_BUCKETS, MoeTiles, tile_config
 from .launch import check_launchable, tl, triton
 from .moe_align import moe_align
 
@@ -246,6 +246,27 @@ def _gemm(a, a_s, w, ws, c, weights, layout, n_out, rows_per_token, up_scale_off
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=tile.group_m,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
+
+
+def warm_up(dtype, w13, w13_scale, w2, w2_scale, top_k, weights_dtype, scheme) -> int:
+    """Compile every tile configuration fused_moe_fp8 picks for these weights and activations of
+    `dtype`, whatever the token count (as fused_moe.warm_up); returns how many ran."""
+    E, two_i, H = w13.shape
+    scratch = torch.zeros(1, dtype=torch.int64, device=w13.device)
+    seen = set()
+    for bucket in TOKEN_BUCKETS:
+        tiles = tile_config(bucket, E, H, two_i // 2, top_k, "float8_e4m3fn", 1)
+        if tiles in seen:
+            continue
+        seen.add(tiles)
+        hidden = torch.zeros(bucket, H, dtype=dtype, device=w13.device)
+        ids = (torch.arange(bucket * top_k, device=w13.device) % E).view(bucket, top_k)
+        weights = torch.full((bucket, top_k), 1.0 / top_k, dtype=weights_dtype, device=w13.device)
+        slots = torch.zeros(bucket, dtype=torch.int64, device=w13.device)
+        for touched, token_slots in ((None, None), (scratch, None), (scratch, slots)):
+            fused_moe_fp8(hidden, w13, w13_scale, w2, w2_scale, weights, ids.to(torch.int32),
+                          scheme, tiles, touched, token_slots)  # fmt: skip
+    return len(seen)
 
 
 def dequantize_experts_ref(w: torch.Tensor, scale: torch.Tensor, scheme, split: int | None = None):

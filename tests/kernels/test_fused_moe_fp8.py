@@ -127,3 +127,19 @@ def test_bad_arguments():
     blocks = SCHEMES["block-group"]
     with pytest.raises(ValueError, match=r"w2_scale must be \[4, 2, 1\]"):
         fused_moe_fp8_ref(hidden, w13, torch.ones(4, 2, 2), w2, s2, weights, ids, blocks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["channel-token", "block-group"])
+@pytest.mark.parametrize("T", [1, 64, 512])
+def test_fused_moe_fp8_qwen3_30b_shape(scheme, T):
+    # Qwen3-30B-A3B's sparse layer (128 experts, top-8, hidden 2048, intermediate 768) in bf16
+    # with 128 x 128 blocks, default tiles: within bf16 rounding of the fp32 reference.
+    s = SCHEMES[scheme]
+    if s.block is not None:
+        s = Fp8Scheme("block", "group", (128, 128))
+    args = fp8_moe_inputs(T, 128, 8, 2048, 768, s, torch.bfloat16, "cuda", seed=T)
+    got = fused_moe_fp8(*args, s)
+    want = fused_moe_fp8_ref(*args, s)
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale)

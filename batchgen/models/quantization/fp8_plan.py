@@ -11,6 +11,7 @@ from torch import nn
 
 from batchgen.distributed.partition import RowBlock
 from batchgen.layers.fp8_linear import Fp8Linear, Fp8Scheme, dequantized_weight
+from batchgen.layers.moe import Fp8FusedExperts, FusedExperts
 from batchgen.models.errors import ModelLoadError
 from batchgen.models.quantization.plan import LoadPlan
 from batchgen.models.quantization.schemes import CheckpointScheme
@@ -219,12 +220,40 @@ def quantize_linear(linear: nn.Linear) -> Fp8Linear:
     return layer
 
 
+def _rows_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] -> (e4m3 [..., N, K], scales [..., N]): max |w| of each row / 448."""
+    w = w.float()
+    scale = w.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX
+    return quantize_fp8_ref(w, scale[..., None]), scale
+
+
+@torch.no_grad()
+def quantize_experts(experts: FusedExperts) -> Fp8FusedExperts:
+    """Online FP8 of a MoE layer's stacked experts: per-row scales (each expert's gate, up and
+    down rows), dynamic per-token activations, as quantize_linear does a projection; one
+    expert at a time, so the peak is one expert's fp32 copy."""
+    e, two_i, h = experts.gate_up_proj.shape
+    device = experts.gate_up_proj.device
+    out = Fp8FusedExperts(e, h, two_i // 2, Fp8Scheme("channel", "token"), device=device)
+    for i in range(e):
+        for src, dst, scale in ((experts.gate_up_proj, out.gate_up_proj, out.gate_up_scale),
+                                (experts.down_proj, out.down_proj, out.down_scale)):  # fmt: skip
+            q, s = _rows_fp8(src[i])
+            dst[i].copy_(q)
+            scale[i].copy_(s)
+    return out
+
+
 def quantize_model_fp8(model: nn.Module) -> nn.Module:
-    """Online FP8 of the decoder's projections in place (one at a time, so the peak memory is
-    the 16-bit model plus one projection's FP8 copy); returns the model."""
+    """Online FP8 of the decoder's projections in place, the experts of MoE layers included (one
+    at a time, so the peak memory is the 16-bit model plus one projection's FP8 copy); returns
+    the model."""
     for name, linear in _linears(model):
         if name.rpartition(".")[2] in ONLINE_PROJECTIONS:
             _replace(model, name, quantize_linear(linear))
+    for name, experts in list(model.named_modules()):
+        if isinstance(experts, FusedExperts):
+            _replace(model, name, quantize_experts(experts))
     return model
 
 
