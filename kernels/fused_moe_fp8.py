@@ -30,8 +30,15 @@ import torch
 
 from .fp8 import FP8_DTYPE, quantize_fp8_groups, quantize_fp8_groups_ref
 from .fp8_gemm import dequantize_blocks_ref
-from .fused_moe import _SUM_BLOCK, _moe_sum_kernel, check_moe_args
-from .fused_moe_tiles import TOKEN_BUCKETS, MoeTiles, tile_config
+from .fused_moe import (
+    _SUM_BLOCK,
+    _moe_sum_kernel,
+    check_moe_args,
+    store_rows,
+    tile_of,
+    warm_up_calls,
+)
+from .fused_moe_tiles import MoeTiles, tile_config
 from .launch import check_launchable, tl, triton
 from .moe_align import moe_align
 
@@ -52,13 +59,7 @@ def _expert_fp8_gemm_kernel(
     # the BLOCK_M pairs of block pid_m (one expert) and BLOCK_N columns; with SILU the up
     # column up_offset + n too (its scale row: channel up_offset + n, block up_scale_offset +
     # n // W_BLOCK_N), and silu(gate) * up written. Program order as _expert_gemm_kernel's.
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_n
-    first_m = (pid // in_group) * GROUP_M
-    group_rows = min(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_rows
-    pid_n = (pid % in_group) // group_rows
+    pid_m, pid_n = tile_of(tl.program_id(0), N, num_m_blocks, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
@@ -120,17 +121,8 @@ def _expert_fp8_gemm_kernel(
         if SILU:
             w_s_up = tl.load(ws_expert + up_offset + cols, mask=col_ok, other=0.0)
             acc_up = acc_up * row_scale[:, None] * w_s_up[None, :]
-    dtype = c_ptr.dtype.element_ty
-    out = acc
-    if SILU:
-        gate = acc.to(dtype).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        out = act * acc_up.to(dtype).to(tl.float32)
-    if MUL_WEIGHTS:
-        route = tl.load(weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
-        out = out.to(dtype).to(tl.float32) * route[:, None]
-    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-    tl.store(c_ptrs, out.to(dtype), mask=valid[:, None] & col_ok[None, :])
+    store_rows(acc, acc_up, c_ptr, weights_ptr, pair, valid, cols, col_ok, stride_cm, SILU,
+               MUL_WEIGHTS)  # fmt: skip
 
 
 def _scale_shapes(E: int, H: int, inter: int, block: tuple[int, int] | None):
@@ -250,23 +242,13 @@ def _gemm(a, a_s, w, ws, c, weights, layout, n_out, rows_per_token, up_scale_off
 
 def warm_up(dtype, w13, w13_scale, w2, w2_scale, top_k, weights_dtype, scheme) -> int:
     """Compile every tile configuration fused_moe_fp8 picks for these weights and activations of
-    `dtype`, whatever the token count (as fused_moe.warm_up); returns how many ran."""
-    E, two_i, H = w13.shape
-    scratch = torch.zeros(1, dtype=torch.int64, device=w13.device)
-    seen = set()
-    for bucket in TOKEN_BUCKETS:
-        tiles = tile_config(bucket, E, H, two_i // 2, top_k, "float8_e4m3fn", 1)
-        if tiles in seen:
-            continue
-        seen.add(tiles)
-        hidden = torch.zeros(bucket, H, dtype=dtype, device=w13.device)
-        ids = (torch.arange(bucket * top_k, device=w13.device) % E).view(bucket, top_k)
-        weights = torch.full((bucket, top_k), 1.0 / top_k, dtype=weights_dtype, device=w13.device)
-        slots = torch.zeros(bucket, dtype=torch.int64, device=w13.device)
-        for touched, token_slots in ((None, None), (scratch, None), (scratch, slots)):
-            fused_moe_fp8(hidden, w13, w13_scale, w2, w2_scale, weights, ids.to(torch.int32),
-                          scheme, tiles, touched, token_slots)  # fmt: skip
-    return len(seen)
+    `dtype`, whatever the token count (fused_moe.warm_up_calls); returns how many ran."""
+
+    def call(hidden, weights, ids, tiles, touched, token_slots):
+        fused_moe_fp8(hidden, w13, w13_scale, w2, w2_scale, weights, ids, scheme, tiles, touched,
+                      token_slots)  # fmt: skip
+
+    return warm_up_calls(w13, top_k, dtype, weights_dtype, "float8_e4m3fn", 1, call)
 
 
 def dequantize_experts_ref(w: torch.Tensor, scale: torch.Tensor, scheme, split: int | None = None):
