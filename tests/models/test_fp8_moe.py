@@ -110,3 +110,105 @@ def test_bench_runs_a_moe_preset_with_fp8_experts(tmp_path):
     # The roofline reads the experts at one byte a weight (the run's dtype is fp32).
     experts = report["model"]["experts"]
     assert experts["expert_bytes"] == experts["expert_params"] > 0
+
+
+# ---- published FP8 checkpoints of MoE models ---------------------------------------------------
+
+
+def dequantized_copy(ckpt: str, dst) -> str:
+    """A 16-bit twin of FP8 checkpoint `ckpt` (written by fp8_checkpoints.py): every FP8
+    weight replaced by float(q) * scale, scales and quantization_config dropped."""
+    import json
+    import shutil
+
+    from fp8_checkpoints import checkpoint_weights
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(ckpt, dst)
+    tensors = load_file(f"{ckpt}/model.safetensors")
+    weights = checkpoint_weights(ckpt)
+    out = {}
+    for name, t in tensors.items():
+        if name.rpartition(".")[2] in ("weight_scale", "weight_scale_inv", "input_scale"):
+            continue
+        out[name] = weights[name] if t.dtype == FP8_DTYPE else t
+    save_file(out, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    config = json.loads(open(f"{dst}/config.json").read())
+    config.pop("quantization_config")
+    open(f"{dst}/config.json", "w").write(json.dumps(config))
+    return str(dst)
+
+
+def fake_quant_groups(x: torch.Tensor, group: int | None) -> torch.Tensor:
+    """x's rows quantized per token (group None) or per 1 x group columns, scaled back."""
+    if group is None:
+        return fake_quant(x)
+    return torch.cat([fake_quant(c) for c in x.float().split(group, dim=-1)], dim=-1)
+
+
+def checkpoint_reference(twin: str, group: int | None):
+    """transformers' model of the 16-bit twin with every projection's input (the experts'
+    included, the routers' not) quantized per token or per group."""
+    transformers.logging.set_verbosity_error()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+
+    def experts_forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for e in top_k_index.unique().tolist():
+            token, slot = torch.where(top_k_index == e)
+            x = fake_quant_groups(hidden[token], group)
+            gate, up = (x @ self.gate_up_proj[e].t()).chunk(2, dim=-1)
+            y = (
+                fake_quant_groups(torch.nn.functional.silu(gate) * up, group)
+                @ self.down_proj[e].t()
+            )
+            out.index_add_(0, token, y * top_k_weights[token, slot, None])
+        return out
+
+    for name, module in hf.named_modules():
+        if hasattr(module, "gate_up_proj") and isinstance(module.gate_up_proj, torch.Tensor):
+            module.forward = types.MethodType(experts_forward, module)
+        elif isinstance(module, torch.nn.Linear) and name.rpartition(".")[2] in DENSE:
+            module.register_forward_pre_hook(lambda m, a: (fake_quant_groups(a[0], group),))
+    return hf
+
+
+@pytest.mark.parametrize(
+    "fmt, weights, activations, group",
+    [
+        ("compressed-tensors", "channel", "token", None),
+        ("compressed-tensors", "tensor", "token", None),
+        ("compressed-tensors", "block", "group", 128),
+        ("fp8", "block", "group", 128),
+    ],
+)
+def test_fp8_moe_checkpoints_equal_fake_quant_of_their_weights(
+    tiny_moe_dir, tmp_path, fmt, weights, activations, group
+):
+    from fp8_checkpoints import write_compressed_tensors, write_fp8_blockwise
+
+    src = tiny_moe_dir("qwen3_moe_blocks" if weights == "block" else "qwen3_moe")
+    if fmt == "fp8":
+        ckpt = write_fp8_blockwise(src, tmp_path / "ckpt")
+    else:
+        ckpt = write_compressed_tensors(src, tmp_path / "ckpt", weights, activations)
+    llm = LLM(ckpt, **ENGINE)
+    blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(isinstance(b.experts, Fp8FusedExperts) for b in blocks)
+    assert all(b.experts.scheme.activation == activations for b in blocks)
+    assert not any(isinstance(b.gate, Fp8Linear) for b in blocks)  # routers stay 16-bit
+    hf = checkpoint_reference(dequantized_copy(ckpt, tmp_path / "twin"), group)
+    assert max_logprob_gap(llm, hf) <= 1e-4
+
+
+def test_static_input_scales_on_experts_are_refused(tiny_moe_dir, tmp_path):
+    from fp8_checkpoints import write_fp8_static
+    from safetensors.torch import load_file
+
+    from batchgen.models.errors import ModelLoadError
+
+    src = tiny_moe_dir("qwen3_moe")
+    names = [n for n in load_file(f"{src}/model.safetensors") if n.endswith("_proj.weight")]
+    ckpt = write_fp8_static(src, tmp_path / "ckpt", {n[: -len(".weight")]: 0.02 for n in names})
+    with pytest.raises(ModelLoadError, match="static .per-tensor. input scales on the experts"):
+        LLM(ckpt, **ENGINE)
