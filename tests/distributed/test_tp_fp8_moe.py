@@ -83,3 +83,29 @@ def test_online_fp8_experts_two_ranks_equal_their_split_math(tiny_moe_dir, varia
             ref += [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(c)]
     assert len(got) == len(ref) == 7
     assert max(abs(a - b) for a, b in zip(got, ref)) <= 1e-4
+
+
+@pytest.mark.parametrize("weights", ["channel", "tensor"])
+def test_weight_only_fp8_moe_checkpoint_two_ranks_equal_one(tiny_moe_dir, tmp_path, weights):
+    # Each rank reads its rows of every expert's gate / up weights and their scales (the down
+    # projections' scales whole); without activation quantization the split is exact in fp32.
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from fp8_checkpoints import write_compressed_tensors
+
+    ckpt = write_compressed_tensors(tiny_moe_dir("qwen3_moe"), tmp_path / "ckpt", weights, None)
+    prompts, cands = [[0, 17, 42, 99, 5], [0, 250, 3, 3]], [[[301, 12, 7, 250]], [[77, 140, 2]]]
+
+    def logprobs(**extra) -> list[float]:
+        llm = LLM(ckpt, **OPTIONS, **extra)
+        try:
+            out = llm.score(prompts, cands, return_token_logprobs=True, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        return [lp for row in out for r in row for lp in r.token_logprobs]
+
+    one, two = logprobs(), logprobs(tensor_parallel_size=2)
+    assert len(one) == len(two) == 7
+    assert max(abs(a - b) for a, b in zip(one, two)) <= 1e-4
