@@ -38,6 +38,36 @@ from .moe_align import moe_align
 _SUM_BLOCK = 1024
 
 
+@triton.jit
+def tile_of(pid, N, num_m_blocks, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # Program pid -> (row block, column block): GROUP_M row blocks side by side per column
+    # block, so the experts' weight tiles are reused from L2.
+    num_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    group_rows = min(num_m_blocks - first_m, GROUP_M)
+    return first_m + (pid % in_group) % group_rows, (pid % in_group) // group_rows
+
+
+@triton.jit
+def store_rows(acc, acc_up, c_ptr, weights_ptr, pair, valid, cols, col_ok, stride_cm,
+               SILU: tl.constexpr, MUL_WEIGHTS: tl.constexpr):  # fmt: skip
+    # The epilogue: fp32 products [BM, BN] (gate and up with SILU) -> c's rows `pair`, rounded
+    # as transformers' expert loop rounds (module docstring).
+    dtype = c_ptr.dtype.element_ty
+    out = acc
+    if SILU:
+        # Rounded as silu(gate) * up on the rounded projections.
+        gate = acc.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        out = act * acc_up.to(dtype).to(tl.float32)
+    if MUL_WEIGHTS:
+        route = tl.load(weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        out = out.to(dtype).to(tl.float32) * route[:, None]
+    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+    tl.store(c_ptrs, out.to(dtype), mask=valid[:, None] & col_ok[None, :])
+
+
 # Arguments that change with the token count are not specialized on: one compiled kernel per
 # tile configuration serves every batch (warm_up compiles them all before a run).
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
@@ -52,13 +82,7 @@ def _expert_gemm_kernel(
     # c[pair, n] = a[pair // A_ROWS_PER_TOKEN] . w[expert(pair), n] over K, for the BLOCK_M
     # pairs of block pid_m (one expert) and BLOCK_N columns. Program order: GROUP_M row blocks
     # side by side per column block, so the experts' weight tiles are reused from L2.
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_n
-    first_m = (pid // in_group) * GROUP_M
-    group_rows = min(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_rows
-    pid_n = (pid % in_group) // group_rows
+    pid_m, pid_n = tile_of(tl.program_id(0), N, num_m_blocks, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
@@ -83,18 +107,8 @@ def _expert_gemm_kernel(
             acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
-    dtype = c_ptr.dtype.element_ty
-    out = acc
-    if SILU:
-        # Rounded as silu(gate) * up on the rounded projections.
-        gate = acc.to(dtype).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        out = act * acc_up.to(dtype).to(tl.float32)
-    if MUL_WEIGHTS:
-        route = tl.load(weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
-        out = out.to(dtype).to(tl.float32) * route[:, None]
-    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-    tl.store(c_ptrs, out.to(dtype), mask=valid[:, None] & col_ok[None, :])
+    store_rows(acc, acc_up, c_ptr, weights_ptr, pair, valid, cols, col_ok, stride_cm, SILU,
+               MUL_WEIGHTS)  # fmt: skip
 
 
 @triton.jit
@@ -118,8 +132,10 @@ def check_moe_args(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    weight_dtype: torch.dtype | None = None,
 ) -> None:
-    """Shapes and dtypes of a fused MoE call (see fused_moe)."""
+    """Shapes and dtypes of a fused MoE call (see fused_moe); the weights in weight_dtype
+    (None: hidden's dtype)."""
     op = "fused_moe"
     if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(
@@ -140,10 +156,9 @@ def check_moe_args(
         )
     if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():
         raise ValueError(f"{op}: topk_ids must be int32/int64 and topk_weights floating")
-    if w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
-        raise ValueError(
-            f"{op}: weights ({w13.dtype}, {w2.dtype}) must have hidden's dtype {hidden.dtype}"
-        )
+    want = weight_dtype or hidden.dtype
+    if w13.dtype != want or w2.dtype != want:
+        raise ValueError(f"{op}: weights ({w13.dtype}, {w2.dtype}) must be {want}")
 
 
 def fused_moe(
@@ -222,28 +237,41 @@ def _gemm(a, w, c, weights, layout, n_out, rows_per_token, silu, block_m, tile: 
     )  # fmt: skip
 
 
-def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, weights_dtype: torch.dtype) -> int:
-    """Compile every tile configuration fused_moe picks for these weights, whatever the token
-    count: calls on zero inputs for each distinct configuration, without and with the
-    expert-use counter (Triton compiles a kernel at its first launch, which a step of a new
-    size would otherwise pay mid-run). Returns the number of configurations run."""
+def warm_up_calls(w13: torch.Tensor, top_k: int, dtype, weights_dtype, dtype_name, itemsize,
+                  call) -> int:  # fmt: skip
+    """Call call(hidden, weights, ids, tiles, touched, token_slots) on zero inputs of `dtype`
+    once for each distinct tile configuration the experts w13 [E, 2I, H] get at any token count
+    (tiles keyed by dtype_name / itemsize), without and with the expert-use counter; returns
+    the number of configurations. Triton compiles a kernel at its first launch, which a step of
+    a new size would otherwise pay mid-run."""
     E, two_i, H = w13.shape
     scratch = torch.zeros(1, dtype=torch.int64, device=w13.device)  # a counter nobody reads
     seen = set()
     for bucket in TOKEN_BUCKETS:
-        dtype_name = str(w13.dtype).removeprefix("torch.")
-        tiles = tile_config(bucket, E, H, two_i // 2, top_k, dtype_name, w13.element_size())
+        tiles = tile_config(bucket, E, H, two_i // 2, top_k, dtype_name, itemsize)
         if tiles in seen:
             continue
         seen.add(tiles)
-        hidden = w13.new_zeros(bucket, H)
+        hidden = torch.zeros(bucket, H, dtype=dtype, device=w13.device)
         # Pair p = t * K + k to expert p mod E: distinct experts within a token (K <= E).
         ids = (torch.arange(bucket * top_k, device=w13.device) % E).view(bucket, top_k)
         weights = torch.full((bucket, top_k), 1.0 / top_k, dtype=weights_dtype, device=w13.device)
         slots = torch.zeros(bucket, dtype=torch.int64, device=w13.device)
         for touched, token_slots in ((None, None), (scratch, None), (scratch, slots)):
-            fused_moe(hidden, w13, w2, weights, ids.to(torch.int32), tiles, touched, token_slots)
+            call(hidden, weights, ids.to(torch.int32), tiles, touched, token_slots)
     return len(seen)
+
+
+def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, weights_dtype: torch.dtype) -> int:
+    """Compile every tile configuration fused_moe picks for these weights, whatever the token
+    count (warm_up_calls); returns the number of configurations run."""
+
+    def call(hidden, weights, ids, tiles, touched, token_slots):
+        fused_moe(hidden, w13, w2, weights, ids, tiles, touched, token_slots)
+
+    dtype_name = str(w13.dtype).removeprefix("torch.")
+    return warm_up_calls(w13, top_k, w13.dtype, weights_dtype, dtype_name, w13.element_size(),
+                         call)  # fmt: skip
 
 
 def fused_moe_ref(

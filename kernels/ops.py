@@ -9,6 +9,7 @@ import torch
 from . import activation as _activation
 from . import decode_attention as _decode
 from . import fused_moe as _fused_moe
+from . import fused_moe_fp8 as _fused_moe_fp8
 from . import kv_cache as _kv_cache
 from . import logprobs as _logprobs
 from . import moe_align as _moe_align
@@ -29,6 +30,8 @@ __all__ = [
     "build_cos_sin_cache",
     "fused_add_rms_norm",
     "fused_moe",
+    "fused_moe_fp8",
+    "fused_moe_fp8_warm_up",
     "fused_moe_warm_up",
     "moe_route",
     "paged_attention",
@@ -323,3 +326,45 @@ def fused_moe_warm_up(
     where the torch reference runs)."""
     if use_triton(w13):
         _fused_moe.warm_up(w13, w2, top_k, weights_dtype)
+
+
+def fused_moe_fp8(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    scheme,
+    touched: torch.Tensor | None = None,
+    token_slots: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fused_moe with FP8 expert weights and scales as `scheme` (an Fp8Scheme) lays them out
+    (kernels/fused_moe_fp8.py); the activations quantized as the scheme says."""
+    if not use_triton(hidden):
+        if touched is not None:
+            _moe_align.count_touched_ref(topk_ids, w13.shape[0], touched, token_slots)
+        return _fused_moe_fp8.fused_moe_fp8_ref(
+            hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, scheme
+        )
+    return _fused_moe_fp8.fused_moe_fp8(
+        hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, scheme,
+        touched=touched, token_slots=token_slots,
+    )  # fmt: skip
+
+
+def fused_moe_fp8_warm_up(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    top_k: int,
+    weights_dtype: torch.dtype,
+    scheme,
+) -> None:
+    """Compile the FP8 fused MoE kernels for every token count ahead of a run (CUDA only)."""
+    if use_triton(w13):
+        _fused_moe_fp8.warm_up(hidden.dtype, w13, w13_scale, w2, w2_scale, top_k, weights_dtype,
+                               scheme)  # fmt: skip

@@ -60,6 +60,12 @@ MOE_VARIANTS = {
         cls="Mixtral", num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
         intermediate_size=64,
     ),
+    # qwen3_moe with every fused dense projection's parts whole 128-row blocks (FP8 blocks).
+    "qwen3_moe_blocks": dict(
+        cls="Qwen3Moe", num_hidden_layers=3, head_dim=64, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, intermediate_size=128, mlp_only_layers=[1],
+        norm_topk_prob=True,
+    ),
 }  # fmt: skip
 
 

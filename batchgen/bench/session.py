@@ -134,9 +134,12 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         model.part.num_heads,
         model.part.num_kv_heads,
     )
-    experts = moe_roofline.expert_shape(
-        mc, bench.runner.dtype.itemsize, model.part.expert_intermediate_size
+    # The experts' bytes in their own dtype (FP8 experts: one byte a weight).
+    sparse = model.sparse_blocks() if hasattr(model, "sparse_blocks") else []
+    expert_itemsize = (
+        sparse[0].experts.gate_up_proj.element_size() if sparse else bench.runner.dtype.itemsize
     )
+    experts = moe_roofline.expert_shape(mc, expert_itemsize, model.part.expert_intermediate_size)
 
     def workload_cost(wl: Workload) -> roofline.WorkloadCost:
         if experts is not None:  # a step reads the experts its tokens reach, FLOPs the active

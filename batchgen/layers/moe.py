@@ -8,6 +8,8 @@ from torch import nn
 from batchgen.distributed.group import TensorParallel
 from batchgen.distributed.layers import reduce_rows
 from batchgen.kernels import ops
+from batchgen.kernels.fp8 import FP8_DTYPE
+from batchgen.layers.fp8_linear import Fp8Scheme
 from batchgen.layers.linear import linear
 
 
@@ -21,6 +23,38 @@ class FusedExperts(nn.Module):
         e, h, i = num_experts, hidden_size, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+
+class Fp8FusedExperts(nn.Module):
+    """FusedExperts with FP8 e4m3 weights (kernels/fused_moe_fp8.py): gate_up_proj [E, 2I, H],
+    down_proj [E, H, I] and their float32 scales, gate_up_scale and down_scale, shaped as
+    `scheme` says ([E, 2I] and [E, H] per channel; block grids with block weights)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        scheme: Fp8Scheme,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        e, h, i = num_experts, hidden_size, intermediate_size
+        self.scheme = scheme
+        fp8 = dict(dtype=FP8_DTYPE, device=device)
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, **fp8), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(e, h, i, **fp8), requires_grad=False)
+        if scheme.block is None:
+            shapes = (e, 2 * i), (e, h)
+        else:
+            bn, bk = scheme.block
+            shapes = (e, 2 * -(-i // bn), -(-h // bk)), (e, -(-h // bn), -(-i // bk))
+        f32 = dict(dtype=torch.float32, device=device)
+        self.register_buffer("gate_up_scale", torch.ones(shapes[0], **f32))
+        self.register_buffer("down_scale", torch.ones(shapes[1], **f32))
+
+    def extra_repr(self) -> str:
+        return f"scheme={self.scheme}"
 
 
 class ExpertCounter:
@@ -96,19 +130,28 @@ class SparseMoeBlock(nn.Module):
         hidden = self.gate.weight.new_zeros(1, self.gate.weight.shape[1])
         weights, _ = self.route(hidden)
         experts = self.experts
+        if isinstance(experts, Fp8FusedExperts):
+            ops.fused_moe_fp8_warm_up(
+                hidden, experts.gate_up_proj, experts.gate_up_scale, experts.down_proj,
+                experts.down_scale, self.top_k, weights.dtype, experts.scheme,
+            )  # fmt: skip
+            return
         ops.fused_moe_warm_up(experts.gate_up_proj, experts.down_proj, self.top_k, weights.dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] (normalised) -> the weighted sum of each token's experts [T, H]."""
         weights, ids = self.route(hidden)
-        counter = self.counter
-        out = ops.fused_moe(
-            hidden,
-            self.experts.gate_up_proj,
-            self.experts.down_proj,
-            weights,
-            ids,
-            counter.touched if counter is not None else None,
-            counter.token_slots if counter is not None else None,
-        )  # [T, H]; with tp, this rank's partial sum over its slices of the experts
+        counter, experts = self.counter, self.experts
+        touched = counter.touched if counter is not None else None
+        slots = counter.token_slots if counter is not None else None
+        if isinstance(experts, Fp8FusedExperts):
+            out = ops.fused_moe_fp8(
+                hidden, experts.gate_up_proj, experts.gate_up_scale, experts.down_proj,
+                experts.down_scale, weights, ids, experts.scheme, touched, slots,
+            )  # fmt: skip
+        else:
+            out = ops.fused_moe(
+                hidden, experts.gate_up_proj, experts.down_proj, weights, ids, touched, slots
+            )
+        # [T, H]; with tp, this rank's partial sum over its slices of the experts
         return out if self.tp is None else reduce_rows(self.tp, out, None)

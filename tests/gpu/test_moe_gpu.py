@@ -146,3 +146,40 @@ def test_qwen3_30b_a3b_layers_bf16_logits_match_transformers():
     )
     assert ours_mean <= 1.5 * hf_mean, (ours_mean, hf_mean)
     assert ours_agree >= hf_agree - 0.03, (ours_agree, hf_agree)
+
+
+@pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral"])
+def test_fp8_experts_on_the_gpu(tiny_moe_dir, variant):
+    """Online FP8 experts (quantization: fp8) on the GPU: a sparse block of the loaded model
+    equals fused_moe_fp8_ref on its own routing (the FP8 MMA's partial sums aside), and greedy
+    generation gives the same tokens with CUDA graphs (fp8 kernels captured) as eager."""
+    from batchgen.kernels.fused_moe_fp8 import fused_moe_fp8_ref
+
+    from batchgen.layers.moe import Fp8FusedExperts, SparseMoeBlock
+
+    path = tiny_moe_dir(variant)
+    common = dict(max_model_len=512, num_kv_blocks=256, max_num_seqs=16, quantization="fp8")
+    llm = LLM(path, device="cuda", dtype="float32", **common)
+    block = next(m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock))
+    experts = block.experts
+    assert isinstance(experts, Fp8FusedExperts)
+    hidden = torch.randn(37, experts.gate_up_proj.shape[2], device="cuda")
+    with torch.no_grad():
+        got = block(hidden)
+        weights, ids = block.route(hidden)
+        want = fused_moe_fp8_ref(
+            hidden, experts.gate_up_proj, experts.gate_up_scale, experts.down_proj,
+            experts.down_scale, weights, ids, experts.scheme,
+        )  # fmt: skip
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * scale)
+    batch = prompts(16, seed=4)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    outs = [
+        LLM(path, device="cuda", dtype="float32", enforce_eager=eager, **common).generate(
+            batch, params, use_tqdm=False
+        )
+        for eager in (False, True)
+    ]
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    assert all(len(o.token_ids) == 24 and o.error is None for o in outs[0])

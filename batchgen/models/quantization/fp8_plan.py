@@ -11,7 +11,9 @@ from torch import nn
 
 from batchgen.distributed.partition import RowBlock
 from batchgen.layers.fp8_linear import Fp8Linear, Fp8Scheme, dequantized_weight
+from batchgen.layers.moe import Fp8FusedExperts, FusedExperts, SparseMoeBlock
 from batchgen.models.errors import ModelLoadError
+from batchgen.models.moe_config import CHECKPOINT_NAMES
 from batchgen.models.quantization.plan import LoadPlan
 from batchgen.models.quantization.schemes import CheckpointScheme
 
@@ -44,13 +46,19 @@ class CheckpointFp8Plan(LoadPlan):
         self.scheme, self.source = scheme, source
         self.shards: dict[str, tuple[str, int, int]] = {}  # HF module -> (ours, shard, rows)
         self.layers: dict[str, Fp8Linear] = {}
+        # HF expert module -> (our Fp8FusedExperts, expert, "gate" | "up" | "down", rows)
+        self.expert_shards: dict[str, tuple[str, int, str, int]] = {}
         self.stash: dict[tuple[str, str], torch.Tensor] = {}  # (HF module, suffix) -> tensor
 
     def prepare(self, model: nn.Module) -> None:
+        # MoE routers stay 16-bit, whatever the config's targets say (checkpoints store them so).
+        routers = {f"{n}.gate" for n, m in model.named_modules() if isinstance(m, SparseMoeBlock)}
         inverse: dict[str, list[str]] = {}
         for hf_part, (ours, shard) in model.packed_modules.items():
             inverse.setdefault(ours, [""] * len(model.shard_sizes(ours)))[shard] = hf_part
         for name, linear in _linears(model):
+            if name in routers:
+                continue
             prefix, _, leaf = name.rpartition(".")
             parts = inverse.get(leaf)
             hf_names = [f"{prefix}.{p}" for p in parts] if parts else [name]
@@ -73,6 +81,43 @@ class CheckpointFp8Plan(LoadPlan):
             self.layers[name] = layer
             for shard, (hf, n) in enumerate(zip(hf_names, rows)):
                 self.shards[hf] = (name, shard, n)
+        for name, experts in list(model.named_modules()):
+            if isinstance(experts, FusedExperts):
+                self._prepare_experts(model, name, experts)
+
+    def _prepare_experts(self, model: nn.Module, name: str, experts: FusedExperts) -> None:
+        """A MoE layer's stacked experts become Fp8FusedExperts when the checkpoint quantizes
+        its per-expert projections (all alike; static activation scales are refused)."""
+        block, (gate, up, down) = CHECKPOINT_NAMES[model.config.architecture]
+        layer = name.rpartition(".mlp.")[0]
+        e, two_i, h = experts.gate_up_proj.shape
+        parts = {gate: ("gate", two_i // 2), up: ("up", two_i // 2), down: ("down", h)}
+        hf_names = {
+            f"{layer}.{block}.experts.{i}.{proj}": (i, *parts[proj])
+            for i in range(e)
+            for proj in (gate, up, down)
+        }
+        schemes = {self.scheme.scheme_of(hf) for hf in hf_names}
+        if schemes == {None}:
+            return  # the experts stay 16-bit
+        if len(schemes) > 1:
+            raise ModelLoadError(
+                f"{self.source}: quantization_config gives the experts of {layer} different "
+                "schemes (or ignores only some); batchgen stacks them into one FP8 tensor"
+            )
+        scheme = schemes.pop()
+        if scheme.activation == "tensor":
+            raise ModelLoadError(
+                f"{self.source}: static (per-tensor) input scales on the experts of {layer} "
+                "are not supported; dynamic per-token or per-group activations are"
+            )
+        fp8 = Fp8FusedExperts(e, h, two_i // 2, scheme, device=experts.gate_up_proj.device)
+        _replace(model, name, fp8)
+        for hf, (i, part, rows) in hf_names.items():
+            self.expert_shards[hf] = (name, i, part, rows)
+
+    def _quantized(self, module: str) -> bool:
+        return module in self.shards or module in self.expert_shards
 
     def _check_blocks(self, hf_names: list[str], rows: list[int], scheme: Fp8Scheme) -> None:
         if scheme.weight != "block":
@@ -92,7 +137,7 @@ class CheckpointFp8Plan(LoadPlan):
 
         def pick(name: str):
             module, _, suffix = name.rpartition(".")
-            if module not in self.shards or suffix not in _SCALE_SUFFIXES:
+            if not self._quantized(module) or suffix not in _SCALE_SUFFIXES:
                 return select(name)
             part = select(module + ".weight")
             strategy = self.scheme.strategy_of(module)
@@ -124,15 +169,15 @@ class CheckpointFp8Plan(LoadPlan):
                 raise ModelLoadError(
                     f"{file}: {name}: asymmetric FP8 (zero points) is not supported"
                 )
-            if suffix in _SCALE_SUFFIXES and module in self.shards:
+            if suffix in _SCALE_SUFFIXES and self._quantized(module):
                 self.stash[(module, suffix)] = tensor
                 continue
-            if suffix == "weight" and tensor.dtype == FP8_DTYPE and module not in self.shards:
+            if suffix == "weight" and tensor.dtype == FP8_DTYPE and not self._quantized(module):
                 raise ModelLoadError(
                     f"{file}: {name} is FP8, but quantization_config leaves {module} "
                     "unquantized (ignore / modules_to_not_convert)"
                 )
-            if suffix == "weight" and module in self.shards and tensor.dtype != FP8_DTYPE:
+            if suffix == "weight" and self._quantized(module) and tensor.dtype != FP8_DTYPE:
                 raise ModelLoadError(
                     f"{file}: {name} is {tensor.dtype}; quantization_config makes {module} FP8, "
                     f"whose weight must be {FP8_DTYPE}"
@@ -155,11 +200,25 @@ class CheckpointFp8Plan(LoadPlan):
                 layer.input_scale.copy_(torch.stack([t.max() for t in inputs]).max().reshape(1))
             if layer.scheme.activation is None and layer.weight.is_cuda:
                 _replace(model, ours, _dequantized_linear(layer))
+        self._finish_experts(model)
         left = sorted(f"{m}.{s}" for m, s in self.stash)
         if left:
             raise ModelLoadError(
                 f"{self.source}: unexpected quantization tensors: {', '.join(left)}"
             )
+
+    def _finish_experts(self, model: nn.Module) -> None:
+        """Each expert's gate / up / down scales into its rows of the stacked scale tensors
+        (gate rows then up rows; with block scales each keeps its own block rows)."""
+        for hf, (ours, e, part, rows) in sorted(self.expert_shards.items()):
+            experts = model.get_submodule(ours)
+            scale = self._weight_scale(hf, rows, experts.scheme)
+            if part == "down":
+                experts.down_scale[e].copy_(scale)
+                continue
+            half = experts.gate_up_scale.shape[1] // 2  # I rows, or ceil(I / bn) block rows
+            lo = 0 if part == "gate" else half
+            experts.gate_up_scale[e, lo : lo + half].copy_(scale)
 
     def _take(self, hf: str, suffix: str) -> torch.Tensor:
         tensor = self.stash.pop((hf, suffix), None)
@@ -219,12 +278,40 @@ def quantize_linear(linear: nn.Linear) -> Fp8Linear:
     return layer
 
 
+def _rows_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] -> (e4m3 [..., N, K], scales [..., N]): max |w| of each row / 448."""
+    w = w.float()
+    scale = w.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX
+    return quantize_fp8_ref(w, scale[..., None]), scale
+
+
+@torch.no_grad()
+def quantize_experts(experts: FusedExperts) -> Fp8FusedExperts:
+    """Online FP8 of a MoE layer's stacked experts: per-row scales (each expert's gate, up and
+    down rows), dynamic per-token activations, as quantize_linear does a projection; one
+    expert at a time, so the peak is one expert's fp32 copy."""
+    e, two_i, h = experts.gate_up_proj.shape
+    device = experts.gate_up_proj.device
+    out = Fp8FusedExperts(e, h, two_i // 2, Fp8Scheme("channel", "token"), device=device)
+    for i in range(e):
+        for src, dst, scale in ((experts.gate_up_proj, out.gate_up_proj, out.gate_up_scale),
+                                (experts.down_proj, out.down_proj, out.down_scale)):  # fmt: skip
+            q, s = _rows_fp8(src[i])
+            dst[i].copy_(q)
+            scale[i].copy_(s)
+    return out
+
+
 def quantize_model_fp8(model: nn.Module) -> nn.Module:
-    """Online FP8 of the decoder's projections in place (one at a time, so the peak memory is
-    the 16-bit model plus one projection's FP8 copy); returns the model."""
+    """Online FP8 of the decoder's projections in place, the experts of MoE layers included (one
+    at a time, so the peak memory is the 16-bit model plus one projection's FP8 copy); returns
+    the model."""
     for name, linear in _linears(model):
         if name.rpartition(".")[2] in ONLINE_PROJECTIONS:
             _replace(model, name, quantize_linear(linear))
+    for name, experts in list(model.named_modules()):
+        if isinstance(experts, FusedExperts):
+            _replace(model, name, quantize_experts(experts))
     return model
 
 

@@ -26,18 +26,20 @@ def load_plan(
 
     Raises:
         ModelLoadError: a quantization_config batchgen does not run, naming what it found and
-            what is supported; FP8 weights (checkpoint or online) of a mixture-of-experts
-            model; a tensor_parallel_size that cuts a checkpoint's weight blocks
+            what is supported; a 4-bit checkpoint of a mixture-of-experts model; a
+            tensor_parallel_size that cuts a checkpoint's weight blocks
             (tp_blocks.py). Raised from the config alone, before any model is built.
     """
     if quantization not in (None, "fp8"):
         raise ModelLoadError(f"quantization={quantization!r}: expected null or fp8")
-    if config.moe is not None and (quantization or config.quantization_config):
-        what = "a quantization_config" if config.quantization_config else "quantization: fp8"
+    if (
+        config.moe is not None
+        and config.quantization_config
+        and is_int4_config(config.quantization_config)
+    ):
         raise ModelLoadError(
-            f"{source}: {what} on a mixture-of-experts model ({config.architecture}) is not "
-            "supported: its experts run 16-bit weights in the fused MoE kernel (kv_cache_dtype "
-            "fp8 is)"
+            f"{source}: a 4-bit checkpoint of a mixture-of-experts model "
+            f"({config.architecture}) is not supported: its experts run FP8 or 16-bit weights"
         )
     qc = config.quantization_config
     if qc and is_int4_config(qc):  # 4-bit: the loader's Int4LoadPlan (it needs the headers)
