@@ -201,7 +201,9 @@ def test_fp8_moe_checkpoints_equal_fake_quant_of_their_weights(
     assert max_logprob_gap(llm, hf) <= 1e-4
 
 
-def test_static_input_scales_on_experts_are_refused(tiny_moe_dir, tmp_path):
+def test_static_input_scales_on_experts_are_refused_before_building(
+    tiny_moe_dir, tmp_path, monkeypatch
+):
     from fp8_checkpoints import write_fp8_static
     from safetensors.torch import load_file
 
@@ -210,5 +212,10 @@ def test_static_input_scales_on_experts_are_refused(tiny_moe_dir, tmp_path):
     src = tiny_moe_dir("qwen3_moe")
     names = [n for n in load_file(f"{src}/model.safetensors") if n.endswith("_proj.weight")]
     ckpt = write_fp8_static(src, tmp_path / "ckpt", {n[: -len(".weight")]: 0.02 for n in names})
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a model was built before the refusal")
+
+    monkeypatch.setattr("batchgen.models.loader.build_model", no_build)
     with pytest.raises(ModelLoadError, match="static .per-tensor. input scales on the experts"):
         LLM(ckpt, **ENGINE)

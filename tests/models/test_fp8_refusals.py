@@ -143,22 +143,26 @@ def _no_build(*args, **kwargs):
     raise AssertionError("a model was built before the refusal")
 
 
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+
+
 @pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral"])
-def test_fp8_checkpoints_of_moe_models_are_refused_before_building(
+def test_4_bit_checkpoints_of_moe_models_are_refused_before_building(
     tiny_moe_dir, tmp_path, monkeypatch, variant
 ):
-    # Online FP8 experts run (test_fp8_moe.py); a quantized MoE checkpoint is refused by name.
+    # FP8 MoE checkpoints load (test_fp8_moe.py); 4-bit ones are refused by name.
     monkeypatch.setattr("batchgen.models.loader.build_model", _no_build)
-    path = _model_with(tmp_path, tiny_moe_dir(variant), _ct())
-    with pytest.raises(ModelLoadError, match="m/config.json: a quantization_config on a mixture"):
+    path = _model_with(tmp_path, tiny_moe_dir(variant), GPTQ)
+    with pytest.raises(ModelLoadError, match="m/config.json: a 4-bit checkpoint of a mixture"):
         LLM(path, dtype="float32", num_kv_blocks=16)
 
 
-def test_validate_refuses_an_fp8_checkpoint_of_a_moe_model(tiny_moe_dir, tmp_path):
+def test_validate_refuses_static_expert_scales_of_a_moe_checkpoint(tiny_moe_dir, tmp_path):
     from batchgen.job import JobError, load_job
     from batchgen.pipeline.engine_factory import model_limits
 
-    path = _model_with(tmp_path, tiny_moe_dir("qwen3_moe"), _ct())
+    static = {"quant_method": "fp8", "activation_scheme": "static"}
+    path = _model_with(tmp_path, tiny_moe_dir("qwen3_moe"), static)
     (tmp_path / "in.jsonl").write_text('{"id": 1, "text": "x"}\n')
     job = tmp_path / "job.yaml"
     job.write_text(
@@ -166,5 +170,5 @@ def test_validate_refuses_an_fp8_checkpoint_of_a_moe_model(tiny_moe_dir, tmp_pat
         f"input: {{path: {tmp_path}/in.jsonl}}\n"
         "prompt: {template: '{text}'}\noutput: {path: " + str(tmp_path / "out") + "}\n"
     )
-    with pytest.raises(JobError, match="Qwen3MoeForCausalLM.* is not supported yet"):
+    with pytest.raises(JobError, match="static .per-tensor. input scales on the experts"):
         model_limits(load_job(str(job)))

@@ -6,6 +6,7 @@ from batchgen.models.config import ModelConfig
 from batchgen.models.errors import ModelLoadError
 from batchgen.models.int4 import scheme as int4_scheme
 from batchgen.models.int4.scheme import is_int4_config
+from batchgen.models.moe_config import CHECKPOINT_NAMES
 from batchgen.models.quantization.fp8_plan import CheckpointFp8Plan, OnlineFp8Plan
 from batchgen.models.quantization.plan import LoadPlan
 from batchgen.models.quantization.schemes import SUPPORTED, parse
@@ -61,8 +62,27 @@ def load_plan(
     if config.quantization_config:
         scheme = parse(config.quantization_config, source)
         check_block_split(config, scheme, tensor_parallel_size, source)
+        _check_experts(config, scheme, source)
         return CheckpointFp8Plan(scheme, source) if scheme.groups else LoadPlan()
     return OnlineFp8Plan() if quantization == "fp8" else LoadPlan()
+
+
+def _check_experts(config: ModelConfig, scheme, source: str) -> None:
+    """Static input scales on a MoE model's experts are refused from the config alone (the
+    load plan refuses them too, and mixed schemes, once it sees every expert's name)."""
+    if config.moe is None:
+        return
+    block, (gate, _, _) = CHECKPOINT_NAMES[config.architecture]
+    layers = [i for i, sparse in enumerate(config.moe.sparse_layers) if sparse]
+    expert = (
+        scheme.scheme_of(f"model.layers.{layers[0]}.{block}.experts.0.{gate}") if layers else None
+    )
+    if expert is not None and expert.activation == "tensor":
+        raise ModelLoadError(
+            f"{source}: static (per-tensor) input scales on the experts of "
+            f"{config.architecture} are not supported; dynamic per-token or per-group "
+            "activations are"
+        )
 
 
 def _neither(source: str, what: str) -> ModelLoadError:
