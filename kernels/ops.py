@@ -364,7 +364,8 @@ def fused_moe_fp8_warm_up(
     weights_dtype: torch.dtype,
     scheme,
 ) -> None:
-    """Compile the FP8 fused MoE kernels for every token count ahead of a run (CUDA only)."""
-    if use_triton(w13):
+    """Compile the FP8 fused MoE kernels for every token count ahead of a run (CUDA only;
+    hidden: any tensor of the activations' dtype and device)."""
+    if use_triton(hidden):
         _fused_moe_fp8.warm_up(hidden.dtype, w13, w13_scale, w2, w2_scale, top_k, weights_dtype,
                                scheme)  # fmt: skip

@@ -6,6 +6,7 @@ spelled out below); the router stays 16-bit."""
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -219,3 +220,30 @@ def test_static_input_scales_on_experts_are_refused_before_building(
     monkeypatch.setattr("batchgen.models.loader.build_model", no_build)
     with pytest.raises(ModelLoadError, match="static .per-tensor. input scales on the experts"):
         LLM(ckpt, **ENGINE)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+@pytest.mark.parametrize("source", ["online", "block-checkpoint"])
+def test_loaded_fp8_experts_through_the_triton_kernel(tiny_moe_dir, tmp_path, source):
+    # The experts and scales the loader builds (block scales of gate and up apart, per-row
+    # online scales) through the GPU kernel (interpreted on CPU) equal the reference.
+    from batchgen.kernels.fused_moe_fp8 import fused_moe_fp8, fused_moe_fp8_ref
+    from batchgen.kernels.fused_moe_tiles import GemmTile, MoeTiles
+    from fp8_checkpoints import write_compressed_tensors
+
+    if source == "online":
+        llm = LLM(tiny_moe_dir("qwen3_moe"), quantization="fp8", **ENGINE)
+    else:
+        src = tiny_moe_dir("qwen3_moe_blocks")
+        llm = LLM(write_compressed_tensors(src, tmp_path / "c", "block", "group"), **ENGINE)
+    block = next(m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock))
+    e = block.experts
+    hidden = torch.randn(9, e.gate_up_proj.shape[2], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        weights, ids = block.route(hidden)
+    args = (hidden, e.gate_up_proj, e.gate_up_scale, e.down_proj, e.down_scale, weights, ids)
+    tiles = MoeTiles(16, GemmTile(16, 16, 1, 4, 1), GemmTile(16, 16, 1, 4, 1))
+    got = fused_moe_fp8(*args, e.scheme, tiles=tiles)
+    want = fused_moe_fp8_ref(*args, e.scheme)
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
