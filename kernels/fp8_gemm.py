@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import FP8_DTYPE
+from .fp8 import FP8_DTYPE, quantize_fp8_groups_ref
 from .launch import check_launchable, interpreting, tl, triton
 
 # Rows and columns of the output a program computes on a GPU; BLOCK_N divides the weight block.
@@ -205,6 +205,13 @@ def dequantize_blocks_ref(
     R, C = q.shape
     full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:R, :C]
     return q.float() * full
+
+
+def fake_quantize_groups_ref(x: torch.Tensor, group: int | None = None) -> torch.Tensor:
+    """x [M, K] quantized dynamically per row (group None) or per 1 x group columns, as
+    quantize_fp8_groups_ref does, and dequantized back: float32."""
+    q, s = quantize_fp8_groups_ref(x, group)
+    return dequantize_blocks_ref(q, s, (1, group or x.shape[1]))
 
 
 def fp8_block_gemm_ref(

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import FP8_DTYPE, quantize_fp8_groups, quantize_fp8_groups_ref
-from .fp8_gemm import dequantize_blocks_ref
+from .fp8 import FP8_DTYPE, quantize_fp8_groups
+from .fp8_gemm import dequantize_blocks_ref, fake_quantize_groups_ref
 from .fused_moe import (
     _SUM_BLOCK,
     _moe_sum_kernel,
@@ -125,7 +125,7 @@ def _expert_fp8_gemm_kernel(
                MUL_WEIGHTS)  # fmt: skip
 
 
-def _scale_shapes(E: int, H: int, inter: int, block: tuple[int, int] | None):
+def expert_scale_shapes(E: int, H: int, inter: int, block: tuple[int, int] | None):
     """(w13_scale shape, w2_scale shape) of a scheme (module docstring)."""
     if block is None:
         return (E, 2 * inter), (E, H)
@@ -141,7 +141,7 @@ def check_fp8_moe_args(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_
         raise ValueError(f"{op}: activation {scheme.activation!r} is not supported for experts "
                          "(dynamic per token or per group, or weight only)")  # fmt: skip
     E, two_i, H = w13.shape
-    want13, want2 = _scale_shapes(E, H, two_i // 2, scheme.block)
+    want13, want2 = expert_scale_shapes(E, H, two_i // 2, scheme.block)
     for name, s, want in (("w13_scale", w13_scale, want13), ("w2_scale", w2_scale, want2)):
         if tuple(s.shape) != want or s.dtype != torch.float32 or not s.is_contiguous():
             raise ValueError(f"{op}: {name} must be {list(want)} float32 contiguous, got "
@@ -272,9 +272,7 @@ def _input_ref(x: torch.Tensor, scheme) -> torch.Tensor:
     """x [M, K] as the scheme feeds it to a projection, dequantized back to float32."""
     if scheme.activation is None:
         return x.float()
-    group = scheme.block[1] if scheme.activation == "group" else None
-    q, s = quantize_fp8_groups_ref(x, group)
-    return dequantize_blocks_ref(q, s, (1, group or x.shape[1]))
+    return fake_quantize_groups_ref(x, scheme.block[1] if scheme.activation == "group" else None)
 
 
 def fused_moe_fp8_ref(

@@ -172,7 +172,7 @@ def bench(**kw) -> None:
     output / total tok/s, requests/s, peak GPU memory, prefix-cache hit rate, preemptions and
     the roofline fraction against a matmul and a copy ceiling measured in the same run.
     """
-    from batchgen.bench.report import format_table, write_json
+    from batchgen.bench.report import format_table
     from batchgen.bench.session import BenchOptions, run_bench
 
     engine_keys = (
@@ -271,17 +271,12 @@ def bench(**kw) -> None:
         report = run_bench(opts, log=lambda m: click.echo(m, err=True))
     except ModelLoadError as e:  # a checkpoint, or a preset with an option it cannot take
         raise click.UsageError(str(e)) from None
-    if kw["json_out"]:
-        write_json(kw["json_out"], report)
-        click.echo(f"wrote {kw['json_out']}", err=True)
-    click.echo(format_table(report))
-    sys.stdout.flush()
+    _emit(report, kw["json_out"], format_table)
 
 
 def _data_parallel(opts, kw) -> None:
     """--data-parallel-size N > 1: the bench in N processes (bench/data_parallel.py)."""
     from batchgen.bench.data_parallel import DataParallelBenchError, format_table, run_data_parallel
-    from batchgen.bench.report import write_json
 
     size = kw["data_parallel_size"]
     for name, why in (("peer", "--peer"), ("structured_schema", "--structured-schema")):
@@ -300,8 +295,15 @@ def _data_parallel(opts, kw) -> None:
         )
     except DataParallelBenchError as e:
         raise click.UsageError(str(e)) from None
-    if kw["json_out"]:
-        write_json(kw["json_out"], report)
-        click.echo(f"wrote {kw['json_out']}", err=True)
+    _emit(report, kw["json_out"], format_table)
+
+
+def _emit(report: dict, json_out: str | None, format_table) -> None:
+    """The report as JSON (when asked) and as the table on stdout."""
+    from batchgen.bench.report import write_json
+
+    if json_out:
+        write_json(json_out, report)
+        click.echo(f"wrote {json_out}", err=True)
     click.echo(format_table(report))
     sys.stdout.flush()

@@ -17,10 +17,14 @@ from batchgen.kernels.fp8 import (
     FP8_DTYPE,
     quantize_fp8,
     quantize_fp8_groups,
-    quantize_fp8_groups_ref,
     quantize_fp8_ref,
 )
-from batchgen.kernels.fp8_gemm import dequantize_blocks_ref, fp8_block_gemm, fp8_rowwise_gemm
+from batchgen.kernels.fp8_gemm import (
+    dequantize_blocks_ref,
+    fake_quantize_groups_ref,
+    fp8_block_gemm,
+    fp8_rowwise_gemm,
+)
 
 WEIGHT_STRATEGIES = ("channel", "block")
 ACTIVATION_STRATEGIES = (None, "token", "tensor", "group")
@@ -156,9 +160,7 @@ def quantize_input_ref(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
         return x.float()
     if act == "tensor":
         return quantize_fp8_ref(x, layer.input_scale).float() * layer.input_scale
-    group = layer.scheme.block[1] if act == "group" else None
-    q, s = quantize_fp8_groups_ref(x, group)
-    return dequantize_blocks_ref(q, s, (1, group or x.shape[1]))
+    return fake_quantize_groups_ref(x, layer.scheme.block[1] if act == "group" else None)
 
 
 def fp8_linear_ref(

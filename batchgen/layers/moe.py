@@ -9,6 +9,7 @@ from batchgen.distributed.group import TensorParallel
 from batchgen.distributed.layers import reduce_rows
 from batchgen.kernels import ops
 from batchgen.kernels.fp8 import FP8_DTYPE
+from batchgen.kernels.fused_moe_fp8 import expert_scale_shapes
 from batchgen.layers.fp8_linear import Fp8Scheme
 from batchgen.layers.linear import linear
 
@@ -44,11 +45,7 @@ class Fp8FusedExperts(nn.Module):
         fp8 = dict(dtype=FP8_DTYPE, device=device)
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, **fp8), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(e, h, i, **fp8), requires_grad=False)
-        if scheme.block is None:
-            shapes = (e, 2 * i), (e, h)
-        else:
-            bn, bk = scheme.block
-            shapes = (e, 2 * -(-i // bn), -(-h // bk)), (e, -(-h // bn), -(-i // bk))
+        shapes = expert_scale_shapes(e, h, i, scheme.block)
         f32 = dict(dtype=torch.float32, device=device)
         self.register_buffer("gate_up_scale", torch.ones(shapes[0], **f32))
         self.register_buffer("down_scale", torch.ones(shapes[1], **f32))

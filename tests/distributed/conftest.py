@@ -1,6 +1,9 @@
-"""The tensor-parallel tests share tp_compare.py (what two engines' outputs must agree on)."""
+"""The tensor-parallel tests share tp_compare.py (what two engines' outputs must agree on) and
+tests/models/fp8_checkpoints.py (FP8 checkpoints written to the published layouts)."""
 
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+here = os.path.dirname(__file__)
+sys.path.insert(0, here)
+sys.path.insert(0, os.path.join(os.path.dirname(here), "models"))

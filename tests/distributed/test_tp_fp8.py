@@ -5,18 +5,13 @@ whose math does not depend on the split (static per-tensor and per-group activat
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from fp8_checkpoints import fake_quant, write_compressed_tensors, write_fp8_blockwise
 
 from batchgen import LLM
 from batchgen.models.errors import ModelLoadError
 from batchgen.models.make_model import make_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-from fp8_checkpoints import write_compressed_tensors, write_fp8_blockwise  # noqa: E402
 
 OPTIONS = dict(dtype="float32", max_model_len=96, num_kv_blocks=96, block_size=8)
 # Every rank's rows and columns are whole 128-wide blocks at tensor_parallel_size 2.
@@ -86,12 +81,6 @@ def test_two_ranks_equal_one(wide, one_kv_head, tmp_path, fmt):
     assert max(abs(a - b) for a, b in zip(single, parallel)) <= 1e-4
 
 
-def _fq_rows(t: torch.Tensor) -> torch.Tensor:
-    """Each row rounded to e4m3 with scale max |row| / 448, then scaled back (fp32)."""
-    s = t.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 448
-    return (t / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
-
-
 def _split_reference(path: str, ranks: int):
     """transformers' model of `path` doing online FP8 as `ranks` tensor-parallel ranks do:
     every projection's weight per output row and its input per token, except that o and down
@@ -102,11 +91,11 @@ def _split_reference(path: str, ranks: int):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
     def split_forward(module):
-        blocks = [_fq_rows(w) for w in module.weight.detach().chunk(ranks, dim=1)]
+        blocks = [fake_quant(w) for w in module.weight.detach().chunk(ranks, dim=1)]
 
         def forward(x):
             parts = x.chunk(ranks, dim=-1)
-            return sum(_fq_rows(p) @ w.t() for p, w in zip(parts, blocks))
+            return sum(fake_quant(p) @ w.t() for p, w in zip(parts, blocks))
 
         return forward
 
@@ -116,8 +105,8 @@ def _split_reference(path: str, ranks: int):
             module.forward = split_forward(module)
         elif leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
             with torch.no_grad():
-                module.weight.copy_(_fq_rows(module.weight))
-            module.register_forward_pre_hook(lambda m, a: (_fq_rows(a[0]),))
+                module.weight.copy_(fake_quant(module.weight))
+            module.register_forward_pre_hook(lambda m, a: (fake_quant(a[0]),))
     return hf
 
 

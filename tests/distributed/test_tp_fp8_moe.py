@@ -7,18 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fp8_checkpoints import fake_quant, write_compressed_tensors
 
 from batchgen import LLM
 
 OPTIONS = dict(
     dtype="float32", max_model_len=96, num_kv_blocks=96, block_size=8, max_num_batched_tokens=32
 )
-
-
-def _fq_rows(t: torch.Tensor) -> torch.Tensor:
-    """Each row (last dim) rounded to e4m3 at scale max |row| / 448, scaled back (fp32)."""
-    s = t.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 448
-    return (t.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
 
 
 def _split_fp8_reference(path: str, ranks: int):
@@ -34,7 +29,7 @@ def _split_fp8_reference(path: str, ranks: int):
 
     def split(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # x [n, K] @ w [N, K]^T
         pairs = zip(x.chunk(ranks, dim=-1), w.chunk(ranks, dim=-1))
-        return sum(_fq_rows(p) @ _fq_rows(b).t() for p, b in pairs)
+        return sum(fake_quant(p) @ fake_quant(b).t() for p, b in pairs)
 
     def row_parallel(w: torch.Tensor):
         def forward(x: torch.Tensor) -> torch.Tensor:
@@ -46,7 +41,9 @@ def _split_fp8_reference(path: str, ranks: int):
         out = torch.zeros_like(hidden)
         for e in top_k_index.unique().tolist():
             token, slot = torch.where(top_k_index == e)
-            gate, up = (_fq_rows(hidden[token]) @ _fq_rows(self.gate_up_proj[e]).t()).chunk(2, -1)
+            gate, up = (fake_quant(hidden[token]) @ fake_quant(self.gate_up_proj[e]).t()).chunk(
+                2, -1
+            )
             y = split(torch.nn.functional.silu(gate) * up, self.down_proj[e])
             out.index_add_(0, token, y * top_k_weights[token, slot, None])
         return out
@@ -60,8 +57,8 @@ def _split_fp8_reference(path: str, ranks: int):
         elif isinstance(module, torch.nn.Linear) and leaf in ("q_proj", "k_proj", "v_proj",
                                                               "gate_proj", "up_proj"):  # fmt: skip
             with torch.no_grad():
-                module.weight.copy_(_fq_rows(module.weight))
-            module.register_forward_pre_hook(lambda m, a: (_fq_rows(a[0]),))
+                module.weight.copy_(fake_quant(module.weight))
+            module.register_forward_pre_hook(lambda m, a: (fake_quant(a[0]),))
     return hf
 
 
@@ -89,12 +86,6 @@ def test_online_fp8_experts_two_ranks_equal_their_split_math(tiny_moe_dir, varia
 def test_weight_only_fp8_moe_checkpoint_two_ranks_equal_one(tiny_moe_dir, tmp_path, weights):
     # Each rank reads its rows of every expert's gate / up weights and their scales (the down
     # projections' scales whole); without activation quantization the split is exact in fp32.
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-    from fp8_checkpoints import write_compressed_tensors
-
     ckpt = write_compressed_tensors(tiny_moe_dir("qwen3_moe"), tmp_path / "ckpt", weights, None)
     prompts, cands = [[0, 17, 42, 99, 5], [0, 250, 3, 3]], [[[301, 12, 7, 250]], [[77, 140, 2]]]
 

@@ -56,6 +56,17 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, strategy: str, block=(128, 
     return q.float() * full[: q.shape[0], : q.shape[1]]
 
 
+def fake_quant(x: torch.Tensor, group: int | None = None) -> torch.Tensor:
+    """Dynamic FP8 of x's rows (the last dim; or of each 1 x group piece of a row): rounded to
+    e4m3 at scale max |x| / 448 and scaled back, in fp32."""
+    x = x.float()
+    out = []
+    for chunk in x.split(group or x.shape[-1], dim=-1):
+        s = chunk.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 448
+        out.append((chunk / s).clamp(-448, 448).to(E4M3).float() * s)
+    return torch.cat(out, dim=-1)
+
+
 def _copy(src: str, dst: Path) -> dict[str, torch.Tensor]:
     shutil.copytree(src, dst)
     return load_file(dst / "model.safetensors")

@@ -13,6 +13,7 @@ import torch
 from fp8_checkpoints import (
     E4M3,
     checkpoint_weights,
+    fake_quant,
     write_compressed_tensors,
     write_fp8_blockwise,
     write_fp8_static,
@@ -52,19 +53,6 @@ def _hf(path: str):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def _fake_quant_rows(x: torch.Tensor, group: int | None) -> torch.Tensor:
-    """Dynamic FP8 of a projection's input: scale = max |x| / 448 per row (or per 1 x group),
-    x rounded to e4m3 and scaled back."""
-    shape = x.shape
-    x = x.reshape(-1, shape[-1]).float()
-    g = group or x.shape[1]
-    parts = []
-    for chunk in x.split(g, dim=1):
-        s = chunk.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448
-        parts.append((chunk / s).clamp(-448, 448).to(E4M3).float() * s)
-    return torch.cat(parts, 1).reshape(shape)
-
-
 def _reference(src: str, ckpt: str, activations: str | None, input_scales=None):
     """transformers' model of src with ckpt's dequantized weights; each quantized projection's
     input fake-quantized as `activations` says (None: weight only)."""
@@ -83,7 +71,7 @@ def _reference(src: str, ckpt: str, activations: str | None, input_scales=None):
             if activations == "tensor":
                 s = input_scales[name]
                 return ((x / s).clamp(-448, 448).to(E4M3).float() * s,)
-            return (_fake_quant_rows(x, 128 if activations == "group" else None),)
+            return (fake_quant(x, 128 if activations == "group" else None),)
 
         module.register_forward_pre_hook(hook)
     return hf
@@ -222,7 +210,7 @@ def test_online_fp8_equals_fake_quant_of_per_channel_weights(tiny_model_dir):
     hf.load_state_dict(state)
     for name, module in hf.named_modules():
         if isinstance(module, torch.nn.Linear) and name != "lm_head":
-            module.register_forward_pre_hook(lambda m, a: (_fake_quant_rows(a[0], None),))
+            module.register_forward_pre_hook(lambda m, a: (fake_quant(a[0], None),))
     assert _max_logprob_gap(llm, hf) <= 1e-4
 
 

@@ -12,6 +12,7 @@ import types
 import pytest
 import torch
 from batchgen.kernels.fp8 import FP8_DTYPE
+from fp8_checkpoints import fake_quant
 
 from batchgen import LLM
 from batchgen.layers.fp8_linear import Fp8Linear
@@ -22,12 +23,6 @@ transformers = pytest.importorskip("transformers")
 ENGINE = dict(dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=8)
 PROMPTS = [[0, 17, 42, 99, 5, 301, 12, 7, 250, 3, 8, 64], [0, 250, 3, 3, 77, 140, 2, 9, 31]]
 DENSE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def fake_quant(x: torch.Tensor) -> torch.Tensor:
-    """Rows of x (the last dim) rounded to e4m3 at scale max |row| / 448, scaled back."""
-    s = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 448
-    return (x.float() / s).clamp(-448, 448).to(FP8_DTYPE).float() * s
 
 
 def experts_forward(self, hidden, top_k_index, top_k_weights):
@@ -140,13 +135,6 @@ def dequantized_copy(ckpt: str, dst) -> str:
     return str(dst)
 
 
-def fake_quant_groups(x: torch.Tensor, group: int | None) -> torch.Tensor:
-    """x's rows quantized per token (group None) or per 1 x group columns, scaled back."""
-    if group is None:
-        return fake_quant(x)
-    return torch.cat([fake_quant(c) for c in x.float().split(group, dim=-1)], dim=-1)
-
-
 def checkpoint_reference(twin: str, group: int | None):
     """transformers' model of the 16-bit twin with every projection's input (the experts'
     included, the routers' not) quantized per token or per group."""
@@ -157,12 +145,9 @@ def checkpoint_reference(twin: str, group: int | None):
         out = torch.zeros_like(hidden)
         for e in top_k_index.unique().tolist():
             token, slot = torch.where(top_k_index == e)
-            x = fake_quant_groups(hidden[token], group)
+            x = fake_quant(hidden[token], group)
             gate, up = (x @ self.gate_up_proj[e].t()).chunk(2, dim=-1)
-            y = (
-                fake_quant_groups(torch.nn.functional.silu(gate) * up, group)
-                @ self.down_proj[e].t()
-            )
+            y = fake_quant(torch.nn.functional.silu(gate) * up, group) @ self.down_proj[e].t()
             out.index_add_(0, token, y * top_k_weights[token, slot, None])
         return out
 
@@ -170,7 +155,7 @@ def checkpoint_reference(twin: str, group: int | None):
         if hasattr(module, "gate_up_proj") and isinstance(module.gate_up_proj, torch.Tensor):
             module.forward = types.MethodType(experts_forward, module)
         elif isinstance(module, torch.nn.Linear) and name.rpartition(".")[2] in DENSE:
-            module.register_forward_pre_hook(lambda m, a: (fake_quant_groups(a[0], group),))
+            module.register_forward_pre_hook(lambda m, a: (fake_quant(a[0], group),))
     return hf
 
 

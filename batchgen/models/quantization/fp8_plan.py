@@ -36,6 +36,15 @@ def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     ]
 
 
+def check_expert_scheme(scheme: Fp8Scheme, source: str, where: str) -> None:
+    """MoE experts take dynamic activation scales (or none): static input scales are refused."""
+    if scheme.activation == "tensor":
+        raise ModelLoadError(
+            f"{source}: static (per-tensor) input scales on the experts of {where} are not "
+            "supported; dynamic per-token or per-group activations are"
+        )
+
+
 class CheckpointFp8Plan(LoadPlan):
     """A checkpoint with FP8 projections: they become Fp8Linear before loading; their FP8 weights
     load through the loader (fused shards included), their scales through this plan (per-tensor
@@ -106,11 +115,7 @@ class CheckpointFp8Plan(LoadPlan):
                 "schemes (or ignores only some); batchgen stacks them into one FP8 tensor"
             )
         scheme = schemes.pop()
-        if scheme.activation == "tensor":
-            raise ModelLoadError(
-                f"{self.source}: static (per-tensor) input scales on the experts of {layer} "
-                "are not supported; dynamic per-token or per-group activations are"
-            )
+        check_expert_scheme(scheme, self.source, layer)
         fp8 = Fp8FusedExperts(e, h, two_i // 2, scheme, device=experts.gate_up_proj.device)
         _replace(model, name, fp8)
         for hf, (i, part, rows) in hf_names.items():
@@ -261,28 +266,27 @@ def _dequantized_linear(layer: Fp8Linear) -> nn.Linear:
     return linear
 
 
-@torch.no_grad()
-def quantize_linear(linear: nn.Linear) -> Fp8Linear:
-    """Online FP8 of one projection: per-output-row scales max |w| / 448, dynamic per-token
-    activations."""
-    w = linear.weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=MIN_AMAX) / FP8_MAX  # [out]
-    layer = Fp8Linear(
-        linear.in_features, linear.out_features, linear.bias is not None,
-        Fp8Scheme("channel", "token"), device=w.device, dtype=linear.weight.dtype,
-    )  # fmt: skip
-    layer.weight.copy_(quantize_fp8_ref(w, scale[:, None]))
-    layer.weight_scale.copy_(scale)
-    if linear.bias is not None:
-        layer.bias.copy_(linear.bias)
-    return layer
-
-
 def _rows_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., N, K] -> (e4m3 [..., N, K], scales [..., N]): max |w| of each row / 448."""
     w = w.float()
     scale = w.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX
     return quantize_fp8_ref(w, scale[..., None]), scale
+
+
+@torch.no_grad()
+def quantize_linear(linear: nn.Linear) -> Fp8Linear:
+    """Online FP8 of one projection: per-output-row scales max |w| / 448, dynamic per-token
+    activations."""
+    layer = Fp8Linear(
+        linear.in_features, linear.out_features, linear.bias is not None,
+        Fp8Scheme("channel", "token"), device=linear.weight.device, dtype=linear.weight.dtype,
+    )  # fmt: skip
+    q, scale = _rows_fp8(linear.weight)
+    layer.weight.copy_(q)
+    layer.weight_scale.copy_(scale)
+    if linear.bias is not None:
+        layer.bias.copy_(linear.bias)
+    return layer
 
 
 @torch.no_grad()

@@ -7,7 +7,11 @@ from batchgen.models.errors import ModelLoadError
 from batchgen.models.int4 import scheme as int4_scheme
 from batchgen.models.int4.scheme import is_int4_config
 from batchgen.models.moe_config import CHECKPOINT_NAMES
-from batchgen.models.quantization.fp8_plan import CheckpointFp8Plan, OnlineFp8Plan
+from batchgen.models.quantization.fp8_plan import (
+    CheckpointFp8Plan,
+    OnlineFp8Plan,
+    check_expert_scheme,
+)
 from batchgen.models.quantization.plan import LoadPlan
 from batchgen.models.quantization.schemes import SUPPORTED, parse
 from batchgen.models.quantization.tp_blocks import check_block_split
@@ -77,12 +81,8 @@ def _check_experts(config: ModelConfig, scheme, source: str) -> None:
     expert = (
         scheme.scheme_of(f"model.layers.{layers[0]}.{block}.experts.0.{gate}") if layers else None
     )
-    if expert is not None and expert.activation == "tensor":
-        raise ModelLoadError(
-            f"{source}: static (per-tensor) input scales on the experts of "
-            f"{config.architecture} are not supported; dynamic per-token or per-group "
-            "activations are"
-        )
+    if expert is not None:
+        check_expert_scheme(expert, source, config.architecture)
 
 
 def _neither(source: str, what: str) -> ModelLoadError:
