@@ -69,7 +69,9 @@ class EngineConfig:
             would.
         tune_gemms: on CUDA, before the CUDA graphs are captured, time cuBLAS's pick against
             cuBLASLt's candidate algorithms for each decoder projection at each row count the
-            graphs run, and use the fastest (batchgen.layers.linear). Costs seconds at start.
+            graphs run, and use the fastest (batchgen.layers.linear); 4-bit projections time
+            their kernel's tiles at the first use of each row count (layers/int4_tuning.py).
+            Costs seconds at start (minutes for a 4-bit 70B model's first run on a machine).
         mixed_chunk_tokens: 0 (off), or P: prompts are admitted longest max_tokens first and
             prefilled P tokens at a time inside decode steps (at most 4 prompts a step, one CUDA
             graph per decode bucket), where a large model's decode leaves the tensor cores

@@ -42,7 +42,7 @@ from batchgen.engine.tensor_parallel import (
 )
 from batchgen.kernels import ops
 from batchgen.kernels.fp8 import FP8_DTYPE
-from batchgen.layers import linear
+from batchgen.layers import int4_tuning, linear
 from batchgen.layers.context import AttentionContext
 from batchgen.layers.int4_linear import weight_count
 from batchgen.models.config import ModelConfig
@@ -227,6 +227,8 @@ class ModelRunner:
         self.graphs = self.mixed_graphs = None
         self.tune_report = self.one_shot = None
         linear.clear_tuning()  # shapes an earlier runner in this process tuned
+        # tune_gemms also decides whether 4-bit projections time their tiles (else heuristic).
+        int4_tuning.TUNE = self.config.tune_gemms
         if self.tp is not None and not self.config.disable_custom_all_reduce:
             # (threshold bytes, timings, why off): measured with every rank; see one_shot.py.
             with self.guard.phase("one-shot all-reduce set-up"):

@@ -61,20 +61,33 @@ def test_moe_tp2_equals_tp1_fp32(tiny_moe_dir, variant, options):
 
 def test_moe_tp2_bf16_within_rounding(tiny_moe_dir):
     """bf16 sums each rank's experts' partial outputs apart: outputs may part after some
-    tokens. Every request completes and the log-likelihoods agree to bf16 rounding."""
+    tokens. Every request completes, and tensor parallel moves the log-likelihoods no more than
+    bf16 itself does. The bound is bf16's own effect (against fp32, one GPU), taken as a mean
+    over requests: a random-weight router flips its top-k on rounding, so single requests move
+    by up to 0.6 nats a token either way (measured on CPU with gloo), while a wrong split moves
+    every request."""
     path = tiny_moe_dir("qwen3_moe")
     batch = prompts(32, seed=1)
     greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     cands = [[p[1:17]] for p in batch]
+    heads = [p[:24] for p in batch]
+
+    def per_token(llm: LLM) -> list[float]:
+        return [r[0].score / r[0].num_tokens for r in llm.score(heads, cands, use_tqdm=False)]
+
+    exact = per_token(LLM(path, dtype="float32", **COMMON))
     single = LLM(path, dtype="bfloat16", **COMMON)
-    want_scores = single.score([p[:24] for p in batch], cands, use_tqdm=False)
+    want = per_token(single)
     del single
     with LLM(path, dtype="bfloat16", tensor_parallel_size=2, **COMMON) as tp:
         got = tp.generate(batch, greedy, use_tqdm=False)
-        got_scores = tp.score([p[:24] for p in batch], cands, use_tqdm=False)
+        got_scores = per_token(tp)
     assert all(o.error is None and len(o.token_ids) == 64 for o in got)
-    worst = max(
-        abs(g[0].score - w[0].score) / w[0].num_tokens for g, w in zip(got_scores, want_scores)
+    rounding = sum(abs(w - e) for w, e in zip(want, exact)) / len(want)
+    moved = sum(abs(g - w) for g, w in zip(got_scores, want)) / len(want)
+    worst = max(abs(g - w) for g, w in zip(got_scores, want))
+    print(
+        f"bf16 MoE per-token log-likelihood: tp2 vs tp1 mean {moved:.4f} (max {worst:.4f}); "
+        f"bf16 vs fp32 mean {rounding:.4f}"
     )
-    print(f"bf16 MoE tp2 vs tp1: max |score difference| per token {worst:.4f}")
-    assert worst <= 0.1
+    assert moved <= 2 * rounding + 0.01

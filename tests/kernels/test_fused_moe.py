@@ -9,6 +9,7 @@ import torch
 from batchgen.kernels.fused_moe import fused_moe, fused_moe_ref
 from batchgen.kernels.fused_moe_tiles import (
     TOKEN_BUCKETS,
+    TUNED,
     GemmTile,
     MoeTiles,
     default_tiles,
@@ -150,6 +151,24 @@ def test_tile_choice():
             per_stage = (tiles.block_m + b_tiles * tile.block_n) * tile.block_k
             itemsize = 4 if tiles is fp32 else 2
             assert per_stage * itemsize * tile.num_stages <= 200 * 1024
+
+
+def test_tuned_tiles_are_looked_up_by_bucket_and_fit_as_measured():
+    # Every token count of a tuned bucket takes its measured tiles, in bf16 unchanged (they ran
+    # so on the GPU); fp32 and FP8 weights are other keys and keep the rule of thumb.
+    assert TUNED
+    for (bucket, E, H, inter, K, dtype), tuned in TUNED.items():
+        lowest = max(b for b in (0, *TOKEN_BUCKETS) if b < bucket) + 1
+        for tokens in (lowest, bucket):
+            assert tile_config(tokens, E, H, inter, K, dtype, 2) == tuned
+        rule = default_tiles(bucket, E, K)
+        assert tuned[1:] != rule[1:]  # a winner differs from the rule in its GEMM tiles
+        for other, itemsize in (("float32", 4), ("float8_e4m3fn", 1)):
+            got = tile_config(bucket, E, H, inter, K, other, itemsize)
+            assert (got.gate_up.block_n, got.down.block_k) == (
+                rule.gate_up.block_n,
+                rule.down.block_k,
+            )
 
 
 def test_bad_shapes():

@@ -176,3 +176,18 @@ def test_weight_count_counts_4_bit_layers_in_full():
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), Int4Linear(64, 32, bias=True))
     model[1].set_packed(packed(64, 32, 32))
     assert weight_count(model) == (64 * 32 + 32) + (64 * 32 + 32)
+
+
+@pytest.mark.parametrize("tune", [False, True])
+def test_engine_tune_gemms_switches_4_bit_tile_timing(tiny_model_dir, monkeypatch, tune):
+    from batchgen import LLM
+
+    monkeypatch.setattr(int4_tuning, "TUNE", not tune)
+    LLM(
+        tiny_model_dir("llama"),
+        dtype="float32",
+        max_model_len=256,
+        num_kv_blocks=64,
+        tune_gemms=tune,
+    )
+    assert int4_tuning.TUNE is tune
