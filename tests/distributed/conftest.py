@@ -1,5 +1,6 @@
 """The tensor-parallel tests share tp_compare.py (what two engines' outputs must agree on) and
-tests/models/fp8_checkpoints.py (FP8 checkpoints written to the published layouts)."""
+tests/models/fp8_checkpoints.py and int4_checkpoints.py (checkpoints written to the published
+layouts)."""
 
 import os
 import sys

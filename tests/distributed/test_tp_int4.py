@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
 from batchgen.kernels.int4_gemm import dequantize_int4_ref
+from int4_checkpoints import write_awq, write_compressed, write_gptq  # tests/models (conftest)
 from safetensors.torch import load_file
 
 from batchgen import LLM, SamplingParams
@@ -23,9 +23,6 @@ from batchgen.job.load import validate_job
 from batchgen.models.errors import ModelLoadError
 from batchgen.models.loader import load_model
 from batchgen.pipeline.engine_factory import model_limits
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
-from int4_checkpoints import write_awq, write_compressed, write_gptq  # noqa: E402
 
 WRITERS = {
     "gptq-g128-asym": lambda p, t: write_gptq(p, t, 128, False, False, "gptq"),
