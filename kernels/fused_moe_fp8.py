@@ -152,7 +152,7 @@ def _quantize_rows(x: torch.Tensor, scheme) -> tuple[torch.Tensor, torch.Tensor 
     """x [M, K] as the GEMM reads it: (e4m3 rows, scales [M, 1] or [M, K / bk]) or (x, None)."""
     if scheme.activation is None:
         return x, None
-    return quantize_fp8_groups(x, scheme.block[1] if scheme.activation == "group" else None)
+    return quantize_fp8_groups(x, scheme.input_group)
 
 
 def fused_moe_fp8(
@@ -196,8 +196,8 @@ def fused_moe_fp8(
         tiles = tile_config(T, E, H, inter, top_k, "float8_e4m3fn", 1)
     tiles = tiles._replace(fuse_activation=True)
     sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, tiles.block_m, touched, token_slots)
-    layout = (sorted_ids, expert_ids, num_padded, T * top_k)
     pairs = T * top_k
+    layout = (sorted_ids, expert_ids, num_padded, pairs)
     a, a_s = _quantize_rows(hidden, scheme)
     act = hidden.new_empty(pairs, inter)
     nbi = -(-inter // scheme.block[0]) if scheme.block else 0
@@ -272,7 +272,7 @@ def _input_ref(x: torch.Tensor, scheme) -> torch.Tensor:
     """x [M, K] as the scheme feeds it to a projection, dequantized back to float32."""
     if scheme.activation is None:
         return x.float()
-    return fake_quantize_groups_ref(x, scheme.block[1] if scheme.activation == "group" else None)
+    return fake_quantize_groups_ref(x, scheme.input_group)
 
 
 def fused_moe_fp8_ref(

@@ -59,6 +59,12 @@ class Fp8Scheme:
         ):
             raise ValueError(f"{self}: block weights take group activations (or none), only they")
 
+    @property
+    def input_group(self) -> int | None:
+        """Columns of an input row one dynamic scale covers: block_k for "group" activations,
+        None (the whole row) for "token"."""
+        return self.block[1] if self.activation == "group" else None
+
 
 class Fp8Linear(nn.Module):
     """y = x @ dequant(weight)^T + bias for x [..., in_features].
@@ -160,7 +166,7 @@ def quantize_input_ref(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
         return x.float()
     if act == "tensor":
         return quantize_fp8_ref(x, layer.input_scale).float() * layer.input_scale
-    return fake_quantize_groups_ref(x, layer.scheme.block[1] if act == "group" else None)
+    return fake_quantize_groups_ref(x, layer.scheme.input_group)
 
 
 def fp8_linear_ref(

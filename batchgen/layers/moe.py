@@ -25,6 +25,16 @@ class FusedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
+    def forward(self, hidden, weights, ids, touched=None, token_slots=None) -> torch.Tensor:
+        """The routed experts' weighted sum [T, H] (ops.fused_moe's arguments)."""
+        return ops.fused_moe(
+            hidden, self.gate_up_proj, self.down_proj, weights, ids, touched, token_slots
+        )
+
+    def warm_up(self, hidden: torch.Tensor, top_k: int, weights_dtype: torch.dtype) -> None:
+        """Compile the kernels for every token count (hidden: one row of the activations)."""
+        ops.fused_moe_warm_up(self.gate_up_proj, self.down_proj, top_k, weights_dtype)
+
 
 class Fp8FusedExperts(nn.Module):
     """FusedExperts with FP8 e4m3 weights (kernels/fused_moe_fp8.py): gate_up_proj [E, 2I, H],
@@ -49,6 +59,20 @@ class Fp8FusedExperts(nn.Module):
         f32 = dict(dtype=torch.float32, device=device)
         self.register_buffer("gate_up_scale", torch.ones(shapes[0], **f32))
         self.register_buffer("down_scale", torch.ones(shapes[1], **f32))
+
+    def forward(self, hidden, weights, ids, touched=None, token_slots=None) -> torch.Tensor:
+        """As FusedExperts.forward, through the FP8 kernel."""
+        return ops.fused_moe_fp8(
+            hidden, self.gate_up_proj, self.gate_up_scale, self.down_proj, self.down_scale,
+            weights, ids, self.scheme, touched, token_slots,
+        )  # fmt: skip
+
+    def warm_up(self, hidden: torch.Tensor, top_k: int, weights_dtype: torch.dtype) -> None:
+        """As FusedExperts.warm_up."""
+        ops.fused_moe_fp8_warm_up(
+            hidden, self.gate_up_proj, self.gate_up_scale, self.down_proj, self.down_scale,
+            top_k, weights_dtype, self.scheme,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return f"scheme={self.scheme}"
@@ -126,29 +150,14 @@ class SparseMoeBlock(nn.Module):
         before a run; nothing is counted."""
         hidden = self.gate.weight.new_zeros(1, self.gate.weight.shape[1])
         weights, _ = self.route(hidden)
-        experts = self.experts
-        if isinstance(experts, Fp8FusedExperts):
-            ops.fused_moe_fp8_warm_up(
-                hidden, experts.gate_up_proj, experts.gate_up_scale, experts.down_proj,
-                experts.down_scale, self.top_k, weights.dtype, experts.scheme,
-            )  # fmt: skip
-            return
-        ops.fused_moe_warm_up(experts.gate_up_proj, experts.down_proj, self.top_k, weights.dtype)
+        self.experts.warm_up(hidden, self.top_k, weights.dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] (normalised) -> the weighted sum of each token's experts [T, H]."""
         weights, ids = self.route(hidden)
-        counter, experts = self.counter, self.experts
+        counter = self.counter
         touched = counter.touched if counter is not None else None
         slots = counter.token_slots if counter is not None else None
-        if isinstance(experts, Fp8FusedExperts):
-            out = ops.fused_moe_fp8(
-                hidden, experts.gate_up_proj, experts.gate_up_scale, experts.down_proj,
-                experts.down_scale, weights, ids, experts.scheme, touched, slots,
-            )  # fmt: skip
-        else:
-            out = ops.fused_moe(
-                hidden, experts.gate_up_proj, experts.down_proj, weights, ids, touched, slots
-            )
         # [T, H]; with tp, this rank's partial sum over its slices of the experts
+        out = self.experts(hidden, weights, ids, touched, slots)
         return out if self.tp is None else reduce_rows(self.tp, out, None)
