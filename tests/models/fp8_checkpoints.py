@@ -1,4 +1,5 @@
-"""Write FP8 checkpoints of a model directory in the published layouts, for the FP8 loading tests.
+"""Write FP8 checkpoints of a model directory in the published layouts, for the FP8 loading tests,
+and compare what batchgen scores on them with a transformers reference (max_logprob_gap).
 
 Written here from the formats' documentation, independently of batchgen's own quantization code:
 - compressed-tensors `float-quantized` (RedHatAI / neuralmagic FP8 releases): each quantized
@@ -189,3 +190,16 @@ def checkpoint_weights(path: str) -> dict[str, torch.Tensor]:
         elif name.endswith(".weight"):
             out[name] = t.float()
     return out
+
+
+def max_logprob_gap(llm, hf, prompts: list[list[int]]) -> float:
+    """The largest |log-prob| difference, over every token after the third of each prompt,
+    between batchgen's `llm` (scoring the rest as a candidate) and the transformers model `hf`."""
+    gap = 0.0
+    for ids in prompts:
+        (res,) = llm.score([ids[:3]], [[ids[3:]]], return_token_logprobs=True, use_tqdm=False)[0]
+        with torch.no_grad():
+            logprobs = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+        ref = [logprobs[2 + i, t].item() for i, t in enumerate(ids[3:])]
+        gap = max(gap, max(abs(a - b) for a, b in zip(res.token_logprobs, ref)))
+    return gap

@@ -14,6 +14,7 @@ from fp8_checkpoints import (
     E4M3,
     checkpoint_weights,
     fake_quant,
+    max_logprob_gap,
     write_compressed_tensors,
     write_fp8_blockwise,
     write_fp8_static,
@@ -103,15 +104,7 @@ def _input_scales(src: str) -> dict[str, float]:
 
 
 def _max_logprob_gap(llm: LLM, hf) -> float:
-    gap = 0.0
-    for text in TEXT:
-        ids = llm.tokenizer.encode(text)
-        (res,) = llm.score([ids[:3]], [[ids[3:]]], return_token_logprobs=True, use_tqdm=False)[0]
-        with torch.no_grad():
-            logprobs = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
-        ref = [logprobs[2 + i, t].item() for i, t in enumerate(ids[3:])]
-        gap = max(gap, max(abs(a - b) for a, b in zip(res.token_logprobs, ref)))
-    return gap
+    return max_logprob_gap(llm, hf, [llm.tokenizer.encode(text) for text in TEXT])
 
 
 def _fp8_layers(llm: LLM) -> dict[str, Fp8Linear]:

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 from batchgen.kernels.fp8 import FP8_DTYPE
-from fp8_checkpoints import fake_quant
+from fp8_checkpoints import fake_quant, max_logprob_gap
 
 from batchgen import LLM
 from batchgen.layers.fp8_linear import Fp8Linear
@@ -25,16 +25,22 @@ PROMPTS = [[0, 17, 42, 99, 5, 301, 12, 7, 250, 3, 8, 64], [0, 250, 3, 3, 77, 140
 DENSE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def experts_forward(self, hidden, top_k_index, top_k_weights):
-    """transformers' expert loop with every projection's input quantized per token (and the
-    weights already rounded): out[t] = sum_k w_tk * down(silu(gate(x_t)) * up(x_t))."""
-    out = torch.zeros_like(hidden)
-    for e in top_k_index.unique().tolist():
-        token, slot = torch.where(top_k_index == e)
-        gate, up = (fake_quant(hidden[token]) @ self.gate_up_proj[e].t()).chunk(2, dim=-1)
-        y = fake_quant(torch.nn.functional.silu(gate) * up) @ self.down_proj[e].t()
-        out.index_add_(0, token, y * top_k_weights[token, slot, None])
-    return out
+def experts_forward(group: int | None = None):
+    """transformers' expert loop with every projection's input quantized per token (or per
+    `group` columns; the weights already rounded where the caller rounds them):
+    out[t] = sum_k w_tk * down(silu(gate(x_t)) * up(x_t)). A method for an experts module."""
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for e in top_k_index.unique().tolist():
+            token, slot = torch.where(top_k_index == e)
+            x = fake_quant(hidden[token], group)
+            gate, up = (x @ self.gate_up_proj[e].t()).chunk(2, dim=-1)
+            y = fake_quant(torch.nn.functional.silu(gate) * up, group) @ self.down_proj[e].t()
+            out.index_add_(0, token, y * top_k_weights[token, slot, None])
+        return out
+
+    return forward
 
 
 def reference(path: str):
@@ -45,22 +51,11 @@ def reference(path: str):
             if hasattr(module, "gate_up_proj") and isinstance(module.gate_up_proj, torch.Tensor):
                 module.gate_up_proj.copy_(fake_quant(module.gate_up_proj))
                 module.down_proj.copy_(fake_quant(module.down_proj))
-                module.forward = types.MethodType(experts_forward, module)
+                module.forward = types.MethodType(experts_forward(), module)
             elif isinstance(module, torch.nn.Linear) and name.rpartition(".")[2] in DENSE:
                 module.weight.copy_(fake_quant(module.weight))
                 module.register_forward_pre_hook(lambda m, a: (fake_quant(a[0]),))
     return hf
-
-
-def max_logprob_gap(llm: LLM, hf) -> float:
-    gap = 0.0
-    for ids in PROMPTS:
-        (res,) = llm.score([ids[:3]], [[ids[3:]]], return_token_logprobs=True, use_tqdm=False)[0]
-        with torch.no_grad():
-            logprobs = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
-        ref = [logprobs[2 + i, t].item() for i, t in enumerate(ids[3:])]
-        gap = max(gap, max(abs(a - b) for a, b in zip(res.token_logprobs, ref)))
-    return gap
 
 
 @pytest.mark.parametrize("variant", ["qwen3_moe", "qwen3_moe_step2", "mixtral"])
@@ -73,10 +68,10 @@ def test_online_fp8_moe_equals_fake_quant_reference(tiny_moe_dir, variant):
     assert all(b.experts.gate_up_proj.dtype == FP8_DTYPE for b in blocks)
     assert not any(isinstance(b.gate, Fp8Linear) for b in blocks)  # the router stays 16-bit
     hf = reference(path)
-    assert max_logprob_gap(llm, hf) <= 1e-4
+    assert max_logprob_gap(llm, hf, PROMPTS) <= 1e-4
     # FP8 moved the log-probs: the unquantized model is further away than the tolerance.
     plain = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert max_logprob_gap(llm, plain) > 1e-3
+    assert max_logprob_gap(llm, plain, PROMPTS) > 1e-3
 
 
 def test_online_fp8_moe_greedy_generation_runs_with_the_kv_cache_in_fp8(tiny_moe_dir):
@@ -141,19 +136,9 @@ def checkpoint_reference(twin: str, group: int | None):
     transformers.logging.set_verbosity_error()
     hf = transformers.AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
 
-    def experts_forward(self, hidden, top_k_index, top_k_weights):
-        out = torch.zeros_like(hidden)
-        for e in top_k_index.unique().tolist():
-            token, slot = torch.where(top_k_index == e)
-            x = fake_quant(hidden[token], group)
-            gate, up = (x @ self.gate_up_proj[e].t()).chunk(2, dim=-1)
-            y = fake_quant(torch.nn.functional.silu(gate) * up, group) @ self.down_proj[e].t()
-            out.index_add_(0, token, y * top_k_weights[token, slot, None])
-        return out
-
     for name, module in hf.named_modules():
         if hasattr(module, "gate_up_proj") and isinstance(module.gate_up_proj, torch.Tensor):
-            module.forward = types.MethodType(experts_forward, module)
+            module.forward = types.MethodType(experts_forward(group), module)
         elif isinstance(module, torch.nn.Linear) and name.rpartition(".")[2] in DENSE:
             module.register_forward_pre_hook(lambda m, a: (fake_quant(a[0], group),))
     return hf
@@ -184,7 +169,7 @@ def test_fp8_moe_checkpoints_equal_fake_quant_of_their_weights(
     assert all(b.experts.scheme.activation == activations for b in blocks)
     assert not any(isinstance(b.gate, Fp8Linear) for b in blocks)  # routers stay 16-bit
     hf = checkpoint_reference(dequantized_copy(ckpt, tmp_path / "twin"), group)
-    assert max_logprob_gap(llm, hf) <= 1e-4
+    assert max_logprob_gap(llm, hf, PROMPTS) <= 1e-4
 
 
 def test_static_input_scales_on_experts_are_refused_before_building(
