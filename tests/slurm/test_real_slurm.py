@@ -42,7 +42,7 @@ def write_job(root: Path, model: str, out: str) -> Path:
                   "dtype": "float32"},
         "input": {"path": "in.jsonl"},
         "prompt": {"template": "Summarize: {text}\nSummary:"},
-        "sampling": {"max_tokens": 8, "temperature": 0.0, "seed": 0},
+        "sampling": {"max_tokens": 32, "temperature": 0.0, "seed": 0},
         "output": {"path": out, "shard_rows": SHARD_ROWS},
     }  # fmt: skip
     path = root / f"{out}.yaml"
@@ -97,12 +97,13 @@ def test_array_job_survives_requeue_and_usr1(slurm_cluster, tmp_path, tiny_model
     def all_logs() -> str:
         return "\n".join(f"=== task {i}\n{text_of(i)}" for i in logs) + cluster.logs()
 
-    # Once tasks 1 and 2 are generating: requeue 1 (Slurm sends it SIGTERM, then starts it
-    # again), and send 2 USR1 through its batch shell (the example's trap passes it on,
-    # batchgen exits 75, the script requeues itself).
-    wait_for(lambda: all("model loaded" in text_of(i) for i in (1, 2)), 600, all_logs)
-    time.sleep(2)
+    # As soon as task 1 is generating, requeue it (Slurm sends it SIGTERM, then starts it
+    # again); as soon as task 2 is, send it USR1 through its batch shell (the example's trap
+    # passes it on, batchgen exits 75, the script requeues itself). A task's 500 rows of 32
+    # tokens take several seconds even on a fast machine, so the signal finds it mid-run.
+    wait_for(lambda: "model loaded" in text_of(1), 600, all_logs)
     cluster.run("scontrol", "requeue", f"{job_id}_1")
+    wait_for(lambda: "model loaded" in text_of(2), 600, all_logs)
     cluster.run("scancel", "--batch", "--signal=USR1", f"{job_id}_2")
     wait_for(lambda: not cluster.run("squeue", "-h", "-j", job_id).strip(), 900, all_logs)
 
